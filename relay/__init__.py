@@ -1,0 +1,25 @@
+"""outbox-relay: a transactional outbox relay from PostgreSQL to RabbitMQ.
+
+Producers call `relay.enqueue(conn, ...)` (or `relay.enqueue_async`) inside their own transaction;
+`outbox-relay run` publishes what commits. The producer functions load psycopg on first use, so
+`import relay.model` stays free of drivers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from relay.producer import enqueue, enqueue_async
+
+__all__ = ["__version__", "enqueue", "enqueue_async"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("enqueue", "enqueue_async"):
+        from relay import producer
+
+        return getattr(producer, name)
+    raise AttributeError(f"module 'relay' has no attribute {name!r}")

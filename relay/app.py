@@ -1,0 +1,190 @@
+"""The composition root: wires settings into adapters and the loop; runs a relay's life cycle."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import TypeVar
+
+import tenacity
+
+from relay import config, errors, loop, metrics, model, retry
+from relay.listener import Listener
+from relay.publisher import AmqpPublisher
+from relay.store import PgStore
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def options(settings: config.Settings) -> loop.Options:
+    """The loop's knobs, from the settings."""
+    return loop.Options(
+        batch_size=settings.batch_size,
+        lease=settings.lease,
+        poll_interval=settings.poll_interval,
+        max_attempts=settings.max_attempts,
+        max_ambiguous=settings.max_ambiguous,
+        retry_delay=settings.retry_delay,
+        retry_max_delay=settings.retry_max_delay,
+    )
+
+
+@dataclasses.dataclass
+class Components:
+    """Everything a running relay is made of, for `run` and for the demo."""
+
+    settings: config.Settings
+    store: PgStore
+    publisher: AmqpPublisher
+    listener: Listener
+    relay: loop.Relay
+    metrics: metrics.Metrics
+
+
+async def startup(what: str, attempt: Callable[[], Awaitable[T]], within: float) -> T:
+    """Call `attempt` until it succeeds, retrying outages for up to `within` seconds."""
+    retrying = tenacity.AsyncRetrying(
+        retry=tenacity.retry_if_exception(retry.is_transient),
+        wait=retry.reconnect_wait(maximum=5.0),
+        stop=tenacity.stop_after_delay(within),
+        before_sleep=lambda state: log.warning(
+            "waiting for %s: %s", what, state.outcome.exception() if state.outcome else "?"
+        ),
+        reraise=True,
+    )
+    async for try_ in retrying:
+        with try_:
+            return await attempt()
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+@contextlib.asynccontextmanager
+async def components(settings: config.Settings) -> AsyncIterator[Components]:
+    """Open the store, the publisher and the LISTEN connection; close them all on exit.
+    Raises DatabaseUnavailable/BrokerUnavailable after `startup_timeout`, or SchemaMissing."""
+    database_url = settings.database_url.get_secret_value()
+    store = await startup(
+        "PostgreSQL",
+        lambda: PgStore.open(database_url, settings.db_schema, settings.relay_name),
+        settings.startup_timeout,
+    )
+    publisher = AmqpPublisher(
+        settings.amqp_url.get_secret_value(), confirm_timeout=settings.confirm_timeout
+    )
+    try:
+        await startup("RabbitMQ", publisher.connect, settings.startup_timeout)
+        wake = asyncio.Event()
+        listener = Listener(database_url, settings.db_schema, wake)
+        counters = metrics.Metrics()
+        relay = loop.Relay(store, publisher, options(settings), wake=wake, on_cycle=counters.record)
+        listening = asyncio.create_task(listener.run(), name="outbox-listener")
+        try:
+            yield Components(settings, store, publisher, listener, relay, counters)
+        finally:
+            listening.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listening
+    finally:
+        await publisher.close()
+        await store.close()
+
+
+async def run(
+    settings: config.Settings, *, until_empty: bool = False, stop: asyncio.Event | None = None
+) -> model.CycleReport | None:
+    """Run one relay until SIGINT/SIGTERM (or `stop`), or until no row is due with `until_empty`.
+
+    On a stop signal it claims nothing more, waits up to `shutdown_timeout` for the batch in flight
+    to be confirmed and settled, and returns; a second signal cancels at once (rows then keep their
+    leases until they expire, and are published again by whichever relay claims them next)."""
+    stop = stop or asyncio.Event()
+    async with components(settings) as parts:
+        log.info(
+            "relay %s ready: schema=%s batch_size=%d lease=%gs",
+            settings.relay_name,
+            settings.db_schema,
+            settings.batch_size,
+            settings.lease,
+        )
+        if until_empty:
+            report = await parts.relay.run_until_empty()
+            log.info(
+                "no due rows left: %d claimed, %d archived, %d dead",
+                report.claimed,
+                report.settled.archived,
+                report.settled.dead,
+            )
+            return report
+        work = asyncio.create_task(parts.relay.run(stop), name="outbox-relay")
+        with _signals_set(stop, work):
+            await _until_stopped(work, stop, settings.shutdown_timeout)
+    return None
+
+
+async def _until_stopped(work: asyncio.Task[None], stop: asyncio.Event, grace: float) -> None:
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if not work.done():
+        log.info("stopping: no new claims; finishing the batch in flight (up to %gs)", grace)
+        try:
+            await asyncio.wait_for(work, grace)
+        except TimeoutError:
+            raise errors.RelayError(
+                f"the batch in flight did not settle within {grace:g}s; "
+                "its rows return to the queue when their lease ends"
+            ) from None
+        except asyncio.CancelledError:
+            if work.cancelled():
+                raise errors.RelayError(
+                    "cancelled by a second signal; unsettled rows return when their lease ends"
+                ) from None
+            raise
+    work.result()  # a crash of the loop propagates from here
+    log.info("stopped cleanly")
+
+
+@contextlib.contextmanager
+def _signals_set(stop: asyncio.Event, work: asyncio.Task[None]) -> Iterator[None]:
+    """First SIGINT/SIGTERM sets `stop`; a second one cancels the work outright."""
+    loop_ = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            log.warning("second %s: cancelling now", signal.Signals(signum).name)
+            work.cancel()
+        else:
+            log.info("%s received", signal.Signals(signum).name)
+            stop.set()
+
+    installed = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop_.add_signal_handler(signum, on_signal, signum)
+            installed.append(signum)
+    try:
+        yield
+    finally:
+        for signum in installed:
+            loop_.remove_signal_handler(signum)
+
+
+async def stats(settings: config.Settings) -> model.Stats:
+    """A snapshot of the outbox. Raises DatabaseUnavailable or SchemaMissing."""
+    store = await PgStore.open(
+        settings.database_url.get_secret_value(),
+        settings.db_schema,
+        settings.relay_name,
+        max_size=1,
+    )
+    try:
+        return await store.stats()
+    finally:
+        await store.close()

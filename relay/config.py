@@ -1,0 +1,186 @@
+"""Frozen relay settings read from OUTBOX_* environment variables and command-line flags."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from typing import Annotated, Any
+from urllib.parse import urlsplit
+
+import pydantic
+from pydantic import BeforeValidator, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from relay import errors
+
+#: An unquoted-style SQL identifier. We always double-quote it too (belt and braces); the length
+#: limit keeps the derived NOTIFY channel names (`<schema>_new`) within PostgreSQL's 63-byte limit.
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,58}")
+_DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*")
+_URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)\S*@")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def check_identifier(name: str) -> str:
+    """Return `name` if it is a safe schema name, else raise ConfigError saying why."""
+    if not _IDENTIFIER.fullmatch(name):
+        raise errors.ConfigError(
+            f"invalid schema name {name!r}: use letters, digits and underscores, "
+            "starting with a letter or underscore, at most 59 characters"
+        )
+    if name.lower().startswith("pg_"):
+        raise errors.ConfigError(f"invalid schema name {name!r}: the pg_ prefix is reserved")
+    return name
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from a number or a string such as `250ms`, `30s`, `5m`, `2h`, `7d`."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    match = _DURATION.fullmatch(str(value))
+    if match is None:
+        raise ValueError(f"not a duration: {value!r} (examples: 1.5, 250ms, 30s, 5m, 2h, 7d)")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced by `***`, for logs and error messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return parts._replace(netloc=netloc).geturl()
+
+
+def redact_secrets(text: str) -> str:
+    """`text` with the password of every URL in it replaced by `***`."""
+    return _URL_PASSWORD.sub(r"\1***@", text)
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration)]
+
+
+def _default_relay_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class Settings(BaseSettings):
+    """Every knob of the relay. Field descriptions are the README's settings table."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="OUTBOX_", frozen=True, populate_by_name=True, extra="forbid"
+    )
+
+    database_url: SecretStr = Field(
+        SecretStr("postgresql://postgres@127.0.0.1:5432/postgres"),
+        description="PostgreSQL connection URL (libpq syntax; `sslmode` etc. as query parameters).",
+    )
+    amqp_url: SecretStr = Field(
+        SecretStr("amqp://guest:guest@127.0.0.1:5672/"),
+        description="RabbitMQ connection URL (`amqp://` or `amqps://`).",
+    )
+    db_schema: str = Field(
+        "outbox",
+        validation_alias="OUTBOX_SCHEMA",
+        description="PostgreSQL schema holding the outbox tables and functions.",
+    )
+    batch_size: int = Field(500, ge=1, le=10_000, description="Rows claimed per batch.")
+    poll_interval: Duration = Field(
+        1.0, gt=0, description="Longest wait between claims when no NOTIFY arrives (seconds)."
+    )
+    lease: Duration = Field(
+        30.0,
+        gt=0,
+        description="How long a claim holds its rows before another relay may take them (seconds).",
+    )
+    confirm_timeout: Duration = Field(
+        10.0, gt=0, description="How long a batch waits for publisher confirms (seconds)."
+    )
+    max_attempts: int = Field(
+        10, ge=1, description="Publish attempts before a row is dead-lettered as `max_attempts`."
+    )
+    max_ambiguous: int = Field(
+        5,
+        ge=0,
+        description="Re-sends after an unknown outcome (lost connection, confirm timeout) "
+        "that do not count as attempts.",
+    )
+    retry_delay: Duration = Field(
+        1.0, gt=0, description="First retry delay after a nack; doubles per attempt (seconds)."
+    )
+    retry_max_delay: Duration = Field(300.0, gt=0, description="Cap on the retry delay (seconds).")
+    shutdown_timeout: Duration = Field(
+        30.0,
+        gt=0,
+        description="On SIGTERM, how long to wait for outstanding confirms and settles (seconds).",
+    )
+    startup_timeout: Duration = Field(
+        15.0,
+        ge=0,
+        description="How long `run` retries unreachable services at start, then exits (seconds).",
+    )
+    relay_name: str = Field(
+        default_factory=_default_relay_name,
+        min_length=1,
+        max_length=200,
+        description="This replica's name, recorded on the rows it claims (default `host:pid`).",
+    )
+    log_level: str = Field("INFO", description="Logging level: DEBUG, INFO, WARNING or ERROR.")
+
+    @field_validator("db_schema")
+    @classmethod
+    def _schema_is_identifier(cls, value: str) -> str:
+        try:
+            return check_identifier(value)
+        except errors.ConfigError as exc:
+            raise ValueError(str(exc)) from None
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_url_scheme(cls, value: SecretStr) -> SecretStr:
+        return _check_scheme(value, ("postgresql", "postgres"))
+
+    @field_validator("amqp_url")
+    @classmethod
+    def _amqp_url_scheme(cls, value: SecretStr) -> SecretStr:
+        return _check_scheme(value, ("amqp", "amqps"))
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        level = value.upper()
+        if level not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            raise ValueError("use DEBUG, INFO, WARNING or ERROR")
+        return level
+
+
+def _check_scheme(value: SecretStr, schemes: tuple[str, ...]) -> SecretStr:
+    raw = value.get_secret_value()
+    try:
+        scheme = urlsplit(raw).scheme
+        urlsplit(raw).port  # noqa: B018  # raises ValueError on a malformed port
+    except ValueError:
+        raise ValueError("not a valid URL") from None
+    if scheme not in schemes:
+        raise ValueError(f"must start with {' or '.join(s + '://' for s in schemes)}")
+    return value
+
+
+def env_name(field: str) -> str:
+    """The environment variable that sets `field`."""
+    alias = Settings.model_fields[field].validation_alias
+    return alias if isinstance(alias, str) else f"OUTBOX_{field.upper()}"
+
+
+def load(**overrides: Any) -> Settings:
+    """Settings from the environment, overridden by flags; ConfigError if invalid."""
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except pydantic.ValidationError as exc:
+        problems = "; ".join(
+            f"{env_name(str(e['loc'][0])) if e['loc'] else 'settings'}: "
+            f"{e['msg'].removeprefix('Value error, ')}"
+            for e in exc.errors(include_url=False, include_input=False)
+        )
+        raise errors.ConfigError(f"invalid settings: {problems}") from None

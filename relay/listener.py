@@ -1,0 +1,56 @@
+"""A self-reconnecting LISTEN connection whose only job is to set the relay's wake-up event."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import psycopg
+import tenacity
+
+from relay import errors, retry, sql
+from relay.pg import translate_errors
+
+log = logging.getLogger(__name__)
+
+
+class Listener:
+    """Sets `wake` on every NOTIFY from enqueue, and once after each (re)connect, because
+    notifications sent while it was away are gone: polling is the guarantee, NOTIFY only a hint."""
+
+    def __init__(self, conninfo: str, schema: str, wake: asyncio.Event) -> None:
+        self._conninfo = conninfo
+        self._schema = schema
+        self._listen = sql.load(schema).listen
+        self.wake = wake
+        self.connected = asyncio.Event()
+        self.notifications = 0
+
+    async def run(self) -> None:
+        """Listen until cancelled, reconnecting with back-off when the connection drops."""
+        retrying = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception(retry.is_transient),
+            wait=retry.reconnect_wait(),
+            before_sleep=lambda state: log.warning(
+                "LISTEN connection lost (%s); polling covers the gap, reconnecting",
+                state.outcome.exception() if state.outcome else "?",
+            ),
+        )
+        async for attempt in retrying:
+            with attempt:
+                await self._listen_once()
+
+    async def _listen_once(self) -> None:
+        with translate_errors(self._schema):
+            conn = await psycopg.AsyncConnection.connect(self._conninfo, autocommit=True)
+            try:
+                await conn.execute(self._listen)
+                self.connected.set()
+                self.wake.set()
+                async for _ in conn.notifies():
+                    self.notifications += 1
+                    self.wake.set()
+            finally:
+                self.connected.clear()
+                await conn.close()
+        raise errors.DatabaseUnavailable("LISTEN connection closed")

@@ -1,0 +1,172 @@
+"""The relay's vocabulary: messages, broker outcomes, settlements and reports (stdlib only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any, TypeVar
+from uuid import UUID
+
+_K = TypeVar("_K")
+
+#: Headers the relay adds to every published message; producers may not set names with this prefix.
+RESERVED_HEADER_PREFIX = "x-outbox-"
+ATTEMPT_HEADER = "x-outbox-attempt"
+ORDERING_KEY_HEADER = "x-outbox-ordering-key"
+
+#: The AMQP basic properties a producer may set through `properties` (the rest are the relay's).
+SETTABLE_PROPERTIES = frozenset(
+    {
+        "content_type",
+        "content_encoding",
+        "delivery_mode",
+        "priority",
+        "correlation_id",
+        "reply_to",
+        "expiration",
+        "type",
+        "user_id",
+        "app_id",
+    }
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OutboxMessage:
+    """One claimed row of the outbox, as the relay publishes it."""
+
+    id: int
+    message_id: UUID
+    exchange: str
+    routing_key: str
+    body: bytes
+    headers: Mapping[str, Any]
+    properties: Mapping[str, Any]
+    ordering_key: str | None
+    created_at: datetime
+    attempts: int
+    ambiguous: int = 0
+    last_error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Claim:
+    """A batch of rows leased together; `claim_id` is the fencing token every settle presents."""
+
+    claim_id: UUID
+    messages: tuple[OutboxMessage, ...]
+
+
+class Outcome(enum.Enum):
+    """What the broker (or the attempt to reach it) said about one published message."""
+
+    ACKED = "acked"  # confirmed: the broker took responsibility
+    RETURNED = "returned"  # mandatory and unroutable: no queue is bound for it
+    NACKED = "nacked"  # the broker refused it (e.g. a queue that rejects publishes)
+    NO_EXCHANGE = "no_exchange"  # the exchange does not exist
+    INVALID = "invalid"  # the row cannot be encoded as an AMQP message
+    AMBIGUOUS = "ambiguous"  # sent or maybe sent, but no confirm arrived: it may have arrived
+    FAILED = "failed"  # publishing raised an error nobody expected: a bug, or a poison row
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PublishResult:
+    """The outcome of publishing one message, with a human-readable detail."""
+
+    outcome: Outcome
+    detail: str = ""
+
+
+class DeadReason(enum.StrEnum):
+    """The machine word stored in `dead.reason`."""
+
+    UNROUTABLE = "unroutable"
+    NO_EXCHANGE = "no_exchange"
+    MAX_ATTEMPTS = "max_attempts"
+    INVALID = "invalid"
+    REJECTED = "rejected"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeadLetter:
+    id: int
+    reason: DeadReason
+    detail: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Retry:
+    """Put a row back for a later attempt. `refund` gives back the attempt its claim counted."""
+
+    id: int
+    delay: float
+    error: str
+    refund: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Settlement:
+    """Every row transition one claim ends with, applied by the store in one transaction."""
+
+    archive: tuple[int, ...] = ()
+    dead: tuple[DeadLetter, ...] = ()
+    retry: tuple[Retry, ...] = ()
+
+    @property
+    def size(self) -> int:
+        return len(self.archive) + len(self.dead) + len(self.retry)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SettleCounts:
+    """How many rows each transition moved; the rest were fenced off (re-claimed elsewhere)."""
+
+    archived: int = 0
+    dead: int = 0
+    retried: int = 0
+    fenced: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CycleReport:
+    """What one claim → publish → settle cycle did."""
+
+    claimed: int = 0
+    outcomes: Mapping[Outcome, int] = dataclasses.field(default_factory=dict)
+    dead: Mapping[DeadReason, int] = dataclasses.field(default_factory=dict)
+    settled: SettleCounts = dataclasses.field(default_factory=SettleCounts)
+
+    def combine(self, other: CycleReport) -> CycleReport:
+        """The sum of two reports (for runs of several cycles)."""
+        return CycleReport(
+            claimed=self.claimed + other.claimed,
+            outcomes=_add(self.outcomes, other.outcomes),
+            dead=_add(self.dead, other.dead),
+            settled=SettleCounts(
+                *(a + b for a, b in zip(_fields(self.settled), _fields(other.settled), strict=True))
+            ),
+        )
+
+
+def _add(a: Mapping[_K, int], b: Mapping[_K, int]) -> dict[_K, int]:
+    return {key: a.get(key, 0) + b.get(key, 0) for key in a.keys() | b.keys()}
+
+
+def _fields(counts: SettleCounts) -> tuple[int, ...]:
+    return tuple(getattr(counts, f.name) for f in dataclasses.fields(counts))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Stats:
+    """A snapshot of the outbox, as `outbox-relay stats` prints it."""
+
+    pending: int
+    due: int
+    scheduled: int
+    in_flight: int
+    oldest_pending_age_seconds: float | None
+    archived: int
+    dead: int
+    dead_by_reason: Mapping[str, int]

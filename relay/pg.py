@@ -1,0 +1,40 @@
+"""What the PostgreSQL adapters share: turning psycopg's errors into the project's."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import psycopg
+import psycopg.errors
+import psycopg_pool
+
+from relay import errors
+
+#: Errors that mean "the schema is not there (yet)", not "the database is down".
+_MISSING = (
+    psycopg.errors.UndefinedTable,
+    psycopg.errors.InvalidSchemaName,
+    psycopg.errors.UndefinedFunction,
+)
+
+
+@contextlib.contextmanager
+def translate_errors(schema: str) -> Iterator[None]:
+    """Outages become DatabaseUnavailable and a missing schema SchemaMissing; anything else (a bug,
+    a constraint) propagates unchanged."""
+    try:
+        yield
+    except _MISSING as exc:
+        raise errors.SchemaMissing(
+            f'the outbox schema "{schema}" is missing or incomplete ({exc.diag.message_primary}); '
+            "run `outbox-relay migrate`"
+        ) from exc
+    except (psycopg.OperationalError, psycopg_pool.PoolTimeout) as exc:
+        raise errors.DatabaseUnavailable(f"PostgreSQL unavailable: {first_line(exc)}") from exc
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's text (libpq's messages run over several)."""
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]

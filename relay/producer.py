@@ -1,0 +1,181 @@
+"""The Python producer API: enqueue a message inside the caller's own psycopg transaction."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator, Mapping
+from datetime import datetime, timedelta
+from typing import Any
+from uuid import UUID
+
+import psycopg
+import psycopg.errors
+from psycopg.types.json import Jsonb
+
+from relay import errors, sql
+
+#: What a body may be: bytes are sent as they are, a dict or list as JSON, a str as UTF-8 text.
+Body = bytes | bytearray | memoryview | str | Mapping[str, Any] | list[Any]
+
+_JSON = "application/json"
+_TEXT = "text/plain; charset=utf-8"
+
+
+def enqueue(
+    conn: psycopg.Connection[Any],
+    exchange: str,
+    routing_key: str,
+    body: Body,
+    *,
+    headers: Mapping[str, Any] | None = None,
+    properties: Mapping[str, Any] | None = None,
+    available_at: datetime | timedelta | None = None,
+    ordering_key: str | None = None,
+    message_id: UUID | None = None,
+    schema: str = "outbox",
+) -> UUID:
+    """Queue one message in `conn`'s current transaction and return its message_id.
+
+    The message exists if and only if that transaction commits; this function never commits.
+    `available_at` is a tz-aware time or a delay from now (by the database's clock).
+    Raises InvalidMessage (or DuplicateMessage) for bad arguments, after which the transaction is
+    aborted as after any SQL error; SchemaMissing if `outbox-relay migrate` has not run.
+    """
+    query, params = _call(
+        schema,
+        exchange,
+        routing_key,
+        body,
+        headers,
+        properties,
+        available_at,
+        ordering_key,
+        message_id,
+    )
+    with _translate(schema):
+        row = conn.execute(query, params).fetchone()
+    assert row is not None  # a SELECT of one function call returns one row
+    return UUID(str(row[0]))
+
+
+async def enqueue_async(
+    conn: psycopg.AsyncConnection[Any],
+    exchange: str,
+    routing_key: str,
+    body: Body,
+    *,
+    headers: Mapping[str, Any] | None = None,
+    properties: Mapping[str, Any] | None = None,
+    available_at: datetime | timedelta | None = None,
+    ordering_key: str | None = None,
+    message_id: UUID | None = None,
+    schema: str = "outbox",
+) -> UUID:
+    """`enqueue` for an AsyncConnection: same arguments, same guarantees, same errors."""
+    query, params = _call(
+        schema,
+        exchange,
+        routing_key,
+        body,
+        headers,
+        properties,
+        available_at,
+        ordering_key,
+        message_id,
+    )
+    with _translate(schema):
+        cur = await conn.execute(query, params)
+        row = await cur.fetchone()
+    assert row is not None
+    return UUID(str(row[0]))
+
+
+def _call(
+    schema: str,
+    exchange: str,
+    routing_key: str,
+    body: Body,
+    headers: Mapping[str, Any] | None,
+    properties: Mapping[str, Any] | None,
+    available_at: datetime | timedelta | None,
+    ordering_key: str | None,
+    message_id: UUID | None,
+) -> tuple[Any, dict[str, Any]]:
+    """The statement and parameters shared by the sync and async entry points."""
+    payload, content_type = encode_body(body)
+    props = dict(_mapping("properties", properties))
+    if content_type is not None:
+        props.setdefault("content_type", content_type)
+    for name, value in (
+        ("exchange", exchange),
+        ("routing_key", routing_key),
+        ("ordering_key", ordering_key),
+    ):
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{name} must be a str, not {type(value).__name__}")
+    params = {
+        "exchange": exchange,
+        "routing_key": routing_key,
+        "body": payload,
+        "headers": _jsonb("headers", _mapping("headers", headers)),
+        "properties": _jsonb("properties", props),
+        "available_at": None,
+        "delay": None,
+        "ordering_key": ordering_key,
+        "message_id": message_id,
+    }
+    if isinstance(available_at, timedelta):
+        params["delay"] = available_at
+    elif isinstance(available_at, datetime):
+        if available_at.tzinfo is None or available_at.utcoffset() is None:
+            raise errors.InvalidMessage("available_at must be timezone-aware (e.g. tzinfo=UTC)")
+        params["available_at"] = available_at
+    elif available_at is not None:
+        raise TypeError(f"available_at must be a datetime or timedelta, not {type(available_at)}")
+    return sql.load(schema).enqueue, params
+
+
+def encode_body(body: Body) -> tuple[bytes, str | None]:
+    """The bytes to send and the content type they imply (None for raw bytes: the caller's call)."""
+    if isinstance(body, bytes | bytearray | memoryview):
+        return bytes(body), None
+    if isinstance(body, str):
+        return body.encode("utf-8"), _TEXT
+    if isinstance(body, Mapping | list):
+        try:
+            text = json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise errors.InvalidMessage(f"body is not JSON-serialisable: {exc}") from None
+        return text.encode("utf-8"), _JSON
+    raise TypeError(f"body must be bytes, str, dict or list, not {type(body).__name__}")
+
+
+def _mapping(name: str, value: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{name} must be a mapping, not {type(value).__name__}")
+    return value
+
+
+def _jsonb(name: str, value: Mapping[str, Any]) -> Jsonb:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise errors.InvalidMessage(f"{name} are not JSON-serialisable: {exc}") from None
+    return Jsonb(dict(value))
+
+
+@contextlib.contextmanager
+def _translate(schema: str) -> Iterator[None]:
+    try:
+        yield
+    except psycopg.errors.InvalidParameterValue as exc:
+        raise errors.InvalidMessage(exc.diag.message_primary or str(exc)) from exc
+    except psycopg.errors.UniqueViolation as exc:
+        raise errors.DuplicateMessage(exc.diag.message_primary or str(exc)) from exc
+    except (psycopg.errors.UndefinedFunction, psycopg.errors.InvalidSchemaName) as exc:
+        raise errors.SchemaMissing(
+            f'no enqueue function in schema "{schema}"; run `outbox-relay migrate`'
+        ) from exc

@@ -1,0 +1,191 @@
+"""The PostgreSQL adapter: claims and settles outbox rows through a psycopg connection pool."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+from uuid import UUID
+
+import psycopg
+import psycopg_pool
+
+from relay import config, errors, model, sql
+from relay.pg import translate_errors
+
+
+class PgStore:
+    """ports.Store on PostgreSQL. Every method raises errors.DatabaseUnavailable on an outage."""
+
+    def __init__(
+        self, pool: psycopg_pool.AsyncConnectionPool, schema: str, relay_name: str
+    ) -> None:
+        self._pool = pool
+        self._schema = schema
+        self._q = sql.load(schema)
+        self._relay_name = relay_name
+
+    @classmethod
+    async def open(
+        cls,
+        conninfo: str,
+        schema: str,
+        relay_name: str,
+        *,
+        connect_timeout: float = 10.0,
+        max_size: int = 4,
+    ) -> PgStore:
+        """Open a pool and check the schema exists. Raises DatabaseUnavailable or SchemaMissing."""
+        config.check_identifier(schema)
+        with translate_errors(schema):
+            # One direct connection first: a pool only says "timed out", libpq says why.
+            probe = await psycopg.AsyncConnection.connect(
+                conninfo, autocommit=True, connect_timeout=max(1, round(connect_timeout))
+            )
+            await probe.close()
+        pool = psycopg_pool.AsyncConnectionPool(
+            conninfo,
+            min_size=1,
+            max_size=max_size,
+            open=False,
+            timeout=connect_timeout,
+            kwargs={"autocommit": True},
+            name="outbox-relay",
+        )
+        try:
+            with translate_errors(schema):
+                await pool.open(wait=True, timeout=connect_timeout)
+            store = cls(pool, schema, relay_name)
+            await store.schema_version()
+        except BaseException:
+            await pool.close()
+            raise
+        return store
+
+    async def close(self) -> None:
+        await self._pool.close()
+
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        with translate_errors(self._schema):
+            async with self._pool.connection() as conn:
+                yield conn
+
+    async def schema_version(self) -> int:
+        """The newest migration applied. Raises SchemaMissing before the first `migrate`."""
+        async with self._connection() as conn:
+            cur = await conn.execute(self._q.schema_version)
+            row = await cur.fetchone()
+        version = int(row[0]) if row else 0
+        if version == 0:
+            raise errors.SchemaMissing(
+                f'the outbox schema "{self._schema}" has no migrations; run `outbox-relay migrate`'
+            )
+        return version
+
+    async def claim(self, limit: int, lease: float) -> model.Claim:
+        claim_id = uuid.uuid4()
+        params = {
+            "limit": limit,
+            "lease": lease,
+            "claim_id": claim_id,
+            "claimed_by": self._relay_name,
+        }
+        async with self._connection() as conn:
+            cur = await conn.execute(self._q.claim_batch, params)
+            rows = await cur.fetchall()
+        return model.Claim(claim_id, tuple(_message(row) for row in rows))
+
+    async def settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:
+        archived = dead = retried = 0
+        async with self._connection() as conn, conn.transaction():
+            if settlement.archive:
+                cur = await conn.execute(
+                    self._q.archive_published,
+                    {"ids": list(settlement.archive), "claim_id": claim_id},
+                )
+                archived = cur.rowcount
+            if settlement.dead:
+                cur = await conn.execute(self._q.dead_letter, _dead_params(claim_id, settlement))
+                dead = cur.rowcount
+            if settlement.retry:
+                cur = await conn.execute(self._q.retry_later, _retry_params(claim_id, settlement))
+                retried = cur.rowcount
+        fenced = settlement.size - archived - dead - retried
+        return model.SettleCounts(archived, dead, retried, fenced)
+
+    async def stats(self) -> model.Stats:
+        async with self._connection() as conn:
+            cur = await conn.execute(self._q.message_stats)
+            pending, due, scheduled, in_flight, oldest = await _one(cur)
+            cur = await conn.execute(self._q.archive_count)
+            (archived,) = await _one(cur)
+            cur = await conn.execute(self._q.dead_by_reason)
+            by_reason = {str(reason): int(n) for reason, n in await cur.fetchall()}
+        return model.Stats(
+            pending=pending,
+            due=due,
+            scheduled=scheduled,
+            in_flight=in_flight,
+            oldest_pending_age_seconds=None if oldest is None else float(oldest),
+            archived=archived,
+            dead=sum(by_reason.values()),
+            dead_by_reason=by_reason,
+        )
+
+
+async def _one(cur: psycopg.AsyncCursor[Any]) -> Any:
+    row = await cur.fetchone()
+    assert row is not None  # aggregate queries always return one row
+    return row
+
+
+def _message(row: Any) -> model.OutboxMessage:
+    (
+        id_,
+        message_id,
+        exchange,
+        routing_key,
+        body,
+        headers,
+        properties,
+        ordering_key,
+        created_at,
+        attempts,
+        ambiguous,
+        last_error,
+    ) = row
+    return model.OutboxMessage(
+        id=id_,
+        message_id=message_id,
+        exchange=exchange,
+        routing_key=routing_key,
+        body=bytes(body),
+        headers=headers,
+        properties=properties,
+        ordering_key=ordering_key,
+        created_at=created_at,
+        attempts=attempts,
+        ambiguous=ambiguous,
+        last_error=last_error,
+    )
+
+
+def _dead_params(claim_id: UUID, settlement: model.Settlement) -> dict[str, Any]:
+    return {
+        "claim_id": claim_id,
+        "ids": [d.id for d in settlement.dead],
+        "reasons": [d.reason.value for d in settlement.dead],
+        "details": [d.detail for d in settlement.dead],
+    }
+
+
+def _retry_params(claim_id: UUID, settlement: model.Settlement) -> dict[str, Any]:
+    return {
+        "claim_id": claim_id,
+        "ids": [r.id for r in settlement.retry],
+        "delays": [r.delay for r in settlement.retry],
+        "errors": [r.error for r in settlement.retry],
+        "refunds": [r.refund for r in settlement.retry],
+    }
