@@ -103,6 +103,13 @@ async def run(
     to be confirmed and settled, and returns; a second signal cancels at once (rows then keep their
     leases until they expire, and are published again by whichever relay claims them next)."""
     stop = stop or asyncio.Event()
+    if settings.lease < 2 * settings.confirm_timeout:
+        log.warning(
+            "OUTBOX_LEASE (%gs) is under twice OUTBOX_CONFIRM_TIMEOUT (%gs): a slow broker can "
+            "outlast a lease, and another relay may then publish the same rows again",
+            settings.lease,
+            settings.confirm_timeout,
+        )
     async with components(settings) as parts:
         log.info(
             "relay %s ready: schema=%s batch_size=%d lease=%gs",

@@ -173,14 +173,19 @@ def env_name(field: str) -> str:
     return alias if isinstance(alias, str) else f"OUTBOX_{field.upper()}"
 
 
+def _setting(loc: tuple[int | str, ...]) -> str:
+    """Name the setting an error is about by its environment variable, whichever way it came in."""
+    name = str(loc[0]) if loc else "settings"
+    return env_name(name) if name in Settings.model_fields else name
+
+
 def load(**overrides: Any) -> Settings:
     """Settings from the environment, overridden by flags; ConfigError if invalid."""
     try:
         return Settings(**{k: v for k, v in overrides.items() if v is not None})
     except pydantic.ValidationError as exc:
         problems = "; ".join(
-            f"{env_name(str(e['loc'][0])) if e['loc'] else 'settings'}: "
-            f"{e['msg'].removeprefix('Value error, ')}"
+            f"{_setting(e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
             for e in exc.errors(include_url=False, include_input=False)
         )
         raise errors.ConfigError(f"invalid settings: {problems}") from None

@@ -24,6 +24,7 @@ class Listener:
         self._listen = sql.load(schema).listen
         self.wake = wake
         self.connected = asyncio.Event()
+        self.connects = 0
         self.notifications = 0
 
     async def run(self) -> None:
@@ -45,6 +46,7 @@ class Listener:
             conn = await psycopg.AsyncConnection.connect(self._conninfo, autocommit=True)
             try:
                 await conn.execute(self._listen)
+                self.connects += 1
                 self.connected.set()
                 self.wake.set()
                 async for _ in conn.notifies():

@@ -26,5 +26,9 @@ def configure(level: str = "INFO") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-    for noisy in ("aiormq", "aio_pika", "psycopg.pool"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+    # The AMQP libraries log every dropped connection as an ERROR with a traceback; the relay
+    # reports the same outage in one line of its own, so theirs only show at DEBUG.
+    quiet = root.level if root.level <= logging.DEBUG else logging.CRITICAL
+    for noisy in ("aiormq", "aio_pika"):
+        logging.getLogger(noisy).setLevel(quiet)
+    logging.getLogger("psycopg.pool").setLevel(max(logging.WARNING, root.level))

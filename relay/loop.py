@@ -178,6 +178,8 @@ def _report(
 
 
 def _log_transitions(batch: Sequence[model.OutboxMessage], settlement: model.Settlement) -> None:
+    """Each dead letter is an event of its own; retries are summed up per batch (per message at
+    DEBUG), so an outage that re-sends a whole batch writes one line, not five hundred."""
     by_id = {m.id: m for m in batch}
     for dead in settlement.dead:
         message = by_id[dead.id]
@@ -188,10 +190,20 @@ def _log_transitions(batch: Sequence[model.OutboxMessage], settlement: model.Set
             dead.reason.value,
             dead.detail,
         )
+    if not settlement.retry:
+        return
+    refunded = sum(r.refund for r in settlement.retry)
+    log.info(
+        "retrying %d of %d messages (%d with unknown outcome, attempt not counted): %s",
+        len(settlement.retry),
+        len(batch),
+        refunded,
+        settlement.retry[0].error,
+    )
     for again in settlement.retry:
         message = by_id[again.id]
-        log.info(
-            "retrying message_id=%s attempt=%d in=%.1fs ambiguous=%s error=%s",
+        log.debug(
+            "retrying message_id=%s attempt=%d in=%.2fs refund=%s error=%s",
             message.message_id,
             message.attempts,
             again.delay,

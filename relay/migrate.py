@@ -8,6 +8,7 @@ import re
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import psycopg.errors
@@ -80,12 +81,10 @@ def migrate(conninfo: str, schema: str, migrations: list[Migration] | None = Non
         raise errors.DatabaseUnavailable(f"PostgreSQL unavailable: {pg.first_line(exc)}") from exc
 
 
-def _apply(
-    conn: psycopg.Connection[tuple[object, ...]], q: sql.Queries, todo: list[Migration]
-) -> Result:
+def _apply(conn: psycopg.Connection[Any], q: sql.Queries, todo: list[Migration]) -> Result:
     conn.execute(q.create_schema)
     conn.execute(q.create_migrations_table)
-    applied = {int(v): str(c) for v, _, c in conn.execute(q.applied_migrations).fetchall()}  # type: ignore[call-overload]
+    applied = {int(v): str(c) for v, _, c in conn.execute(q.applied_migrations).fetchall()}
     for migration in todo:
         if migration.version in applied and applied[migration.version] != migration.checksum:
             raise errors.MigrationError(
@@ -99,9 +98,7 @@ def _apply(
     return Result(tuple(pending), version)
 
 
-def _apply_one(
-    conn: psycopg.Connection[tuple[object, ...]], q: sql.Queries, migration: Migration
-) -> None:
+def _apply_one(conn: psycopg.Connection[Any], q: sql.Queries, migration: Migration) -> None:
     try:
         with conn.transaction():
             conn.execute(q.migration_search_path)

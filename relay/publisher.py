@@ -34,15 +34,16 @@ _STRING_PROPERTIES = (
     "app_id",
 )
 _ENCODING_ERRORS = (TypeError, ValueError, OverflowError, RecursionError, struct.error)
-#: Errors after which a message may or may not have reached the broker.
-_CONNECTION_ERRORS = (
+#: The broker or the network failing (as opposed to our code).
+_BROKER_ERRORS = (
     aiormq.exceptions.AMQPError,
     aiormq.exceptions.ChannelInvalidStateError,
     ConnectionError,
     OSError,
     TimeoutError,
-    asyncio.CancelledError,
 )
+#: Errors after which a message may or may not have reached the broker.
+_CONNECTION_ERRORS = (*_BROKER_ERRORS, asyncio.CancelledError)
 
 
 class InvalidRow(ValueError):
@@ -154,25 +155,36 @@ class AmqpPublisher:
         if not self.connected:
             # aiormq may still write queued frames on a channel the broker closed, which makes the
             # broker close the whole connection; start the next batch on a fresh one instead.
-            log.warning("publish channel closed by the broker: %s", _channel_error(tasks.values()))
+            log.warning("lost the publish channel: %s", _channel_error(tasks.values()))
             await self.close()
         return results
 
     async def _missing_exchanges(self, names: set[str]) -> set[str]:
-        """Which of `names` do not exist, by passive declare (the default exchange always does)."""
+        """Which of `names` do not exist, by passive declare (the default exchange always does).
+        An exchange that cannot be checked in time counts as present: the publish will tell."""
         now = time.monotonic()
-        missing = set()
-        for name in sorted(n for n in names if n and self._exchanges_seen.get(n, 0.0) < now):
-            try:
-                probe = await self._probe_channel()
-                await probe.get_exchange(name, ensure=True)
-                self._exchanges_seen[name] = now + self._exchange_ttl
-            except aiormq.exceptions.ChannelNotFoundEntity:
-                missing.add(name)
-            except _CONNECTION_ERRORS as exc:
-                # Unknown: let the publish decide (and tell us, if it closes the channel).
-                log.debug("could not check exchange %r: %s", name, _describe(exc))
+        missing: set[str] = set()
+        try:
+            async with asyncio.timeout(self._confirm_timeout):
+                for name in sorted(n for n in names if n and self._exchanges_seen.get(n, 0) < now):
+                    if await self._exchange_exists(name):
+                        self._exchanges_seen[name] = now + self._exchange_ttl
+                    else:
+                        missing.add(name)
+        except TimeoutError:
+            log.warning("exchange check took over %gs; publishing unchecked", self._confirm_timeout)
+            self._probe = None  # its RPC was abandoned mid-flight; open a fresh one next time
         return missing
+
+    async def _exchange_exists(self, name: str) -> bool:
+        try:
+            probe = await self._probe_channel()
+            await probe.get_exchange(name, ensure=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            return False
+        except (*_BROKER_ERRORS, RuntimeError) as exc:
+            log.debug("could not check exchange %r: %s", name, _describe(exc))
+        return True
 
     async def _probe_channel(self) -> aio_pika.abc.AbstractChannel:
         if self._probe is None or self._probe.is_closed:

@@ -17,7 +17,9 @@ def is_transient(exc: BaseException) -> bool:
 
 def reconnect_wait(initial: float = 0.1, maximum: float = 30.0) -> tenacity.wait.wait_base:
     """Exponential back-off with jitter between attempts to reach a service that is down."""
-    return tenacity.wait_exponential_jitter(initial=initial, max=maximum, jitter=initial)
+    return tenacity.wait_exponential(multiplier=initial, max=maximum) + tenacity.wait_random(
+        0, initial
+    )
 
 
 def message_delay(attempt: int, base: float, cap: float) -> float:

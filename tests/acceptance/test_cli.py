@@ -1,0 +1,161 @@
+"""`outbox-relay` commands as a user runs them: output, exit codes, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+
+import relay
+from tests.support.amqp import Broker
+from tests.support.processes import clean_env, run_cli
+
+
+@pytest.fixture
+def closed_port() -> Iterator[int]:
+    """A local port where nothing listens (bound, never listening: connection refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield int(s.getsockname()[1])
+
+
+def assert_one_line_error(result: object, code: int, *fragments: str) -> None:
+    completed = result  # subprocess.CompletedProcess[str]
+    stderr: str = completed.stderr  # type: ignore[attr-defined]
+    assert completed.returncode == code, stderr  # type: ignore[attr-defined]
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("outbox-relay: error: ")
+    assert "Traceback" not in stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_migrate_twice_then_stats(empty_database_url: str) -> None:
+    env = clean_env(OUTBOX_DATABASE_URL=empty_database_url)
+    first = run_cli("migrate", env=env)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.strip() == (
+        'applied 0001_tables, 0002_enqueue; schema "outbox" is at version 2'
+    )
+    second = run_cli("migrate", env=env)
+    assert second.stdout.strip() == 'schema "outbox" is up to date (version 2)'
+    stats = run_cli("stats", "--json", env=env)
+    assert stats.returncode == 0, stats.stderr
+    assert json.loads(stats.stdout) == {
+        "archived": 0,
+        "dead": 0,
+        "dead_by_reason": {},
+        "due": 0,
+        "in_flight": 0,
+        "oldest_pending_age_seconds": None,
+        "pending": 0,
+        "scheduled": 0,
+    }
+
+
+def test_flags_override_the_environment(empty_database_url: str) -> None:
+    env = clean_env(OUTBOX_DATABASE_URL="postgresql://nobody@127.0.0.1:1/nothing")
+    result = run_cli(
+        "migrate", "--database-url", empty_database_url, "--schema", "flagged", env=env
+    )
+    assert result.returncode == 0, result.stderr
+    assert 'schema "flagged"' in result.stdout
+
+
+def test_stats_in_human_form(database_url: str) -> None:
+    with psycopg.connect(database_url) as conn:
+        relay.enqueue(conn, "x", "k", b"")
+        conn.commit()
+    result = run_cli("stats", env=clean_env(OUTBOX_DATABASE_URL=database_url))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0].split()[:2] == ["pending", "1"]
+
+
+def test_missing_schema_says_to_migrate(empty_database_url: str) -> None:
+    result = run_cli("stats", env=clean_env(OUTBOX_DATABASE_URL=empty_database_url))
+    assert_one_line_error(result, 1, "run `outbox-relay migrate`")
+
+
+def test_unreachable_database_is_one_line_without_the_password(closed_port: int) -> None:
+    url = f"postgresql://app:hunter2@127.0.0.1:{closed_port}/db"
+    result = run_cli("stats", env=clean_env(OUTBOX_DATABASE_URL=url))
+    assert_one_line_error(result, 1, "PostgreSQL unavailable")
+    assert "hunter2" not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "fragment"),
+    [
+        ("OUTBOX_DATABASE_URL", "mysql://root@localhost/db", "must start with postgresql://"),
+        ("OUTBOX_AMQP_URL", "http://guest:guest@localhost/", "must start with amqp://"),
+        ("OUTBOX_SCHEMA", 'outbox"; DROP TABLE x; --', "invalid schema name"),
+        ("OUTBOX_BATCH_SIZE", "lots", "OUTBOX_BATCH_SIZE"),
+        ("OUTBOX_LEASE", "forever", "not a duration"),
+    ],
+)
+def test_bad_settings_exit_2_before_connecting(variable: str, value: str, fragment: str) -> None:
+    result = run_cli("run", env=clean_env(**{variable: value}))
+    assert_one_line_error(result, 2, "invalid settings", fragment)
+
+
+def test_password_in_a_bad_url_is_not_echoed() -> None:
+    result = run_cli("run", env=clean_env(OUTBOX_AMQP_URL="amqp://guest:s3cret@host:port/"))
+    assert_one_line_error(result, 2, "OUTBOX_AMQP_URL")
+    assert "s3cret" not in result.stderr
+
+
+def test_run_gives_up_on_an_unreachable_broker_after_the_startup_timeout(
+    database_url: str, closed_port: int
+) -> None:
+    env = clean_env(
+        OUTBOX_DATABASE_URL=database_url,
+        OUTBOX_STARTUP_TIMEOUT="1",
+        OUTBOX_AMQP_URL=f"amqp://guest:t0psecret@127.0.0.1:{closed_port}/",
+    )
+    result = run_cli("run", env=env)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 1
+    assert last.startswith("outbox-relay: error: RabbitMQ unavailable")
+    assert "Traceback" not in result.stderr
+    assert "t0psecret" not in result.stderr
+
+
+def test_run_on_a_database_without_the_schema(empty_database_url: str, amqp_url: str) -> None:
+    env = clean_env(OUTBOX_DATABASE_URL=empty_database_url, OUTBOX_AMQP_URL=amqp_url)
+    result = run_cli("run", env=env)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].endswith("run `outbox-relay migrate`")
+
+
+async def test_run_until_empty_drains_and_exits_zero(
+    database_url: str, amqp_url: str, broker: Broker
+) -> None:
+    await broker.declare()
+    with psycopg.connect(database_url) as conn:
+        for i in range(1200):
+            relay.enqueue(conn, broker.exchange, f"k.{i}", b"")
+        conn.commit()
+    env = clean_env(OUTBOX_DATABASE_URL=database_url, OUTBOX_AMQP_URL=amqp_url)
+    result = run_cli("run", "--until-empty", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "1200 claimed, 1200 archived, 0 dead" in result.stderr
+    assert len(await broker.collect(1200)) == 1200
+
+
+def test_demo_shows_messages_flowing(empty_database_url: str, amqp_url: str) -> None:
+    env = clean_env(OUTBOX_DATABASE_URL=empty_database_url, OUTBOX_AMQP_URL=amqp_url)
+    result = run_cli("demo", "--count", "3", "--interval", "0.05", env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("← received") >= 3
+    assert "✗ rolled back" not in result.stdout or "must never arrive" in result.stdout
+    assert "missing 0, from rolled-back transactions 0" in result.stdout
+
+
+def test_version_and_module_entry_point() -> None:
+    result = run_cli("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"outbox-relay, version {relay.__version__}"

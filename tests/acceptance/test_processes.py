@@ -1,0 +1,185 @@
+"""Relays as real processes: replicas sharing work, SIGTERM, kill -9, and a broker restart."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from urllib.parse import urlsplit
+
+import psycopg
+import pytest
+
+import relay
+from tests.support.amqp import Broker
+from tests.support.processes import RelayProcess, clean_env
+from tests.support.proxy import TcpProxy
+from tests.support.services import Services
+from tests.support.wait import until
+
+pytestmark = pytest.mark.slow
+
+
+def scalar(url: str, sql: str) -> int:
+    with psycopg.connect(url) as conn:
+        row = conn.execute(sql).fetchone()
+        assert row is not None
+        return int(row[0])
+
+
+def enqueue_many(url: str, exchange: str, n: int, per_transaction: int = 100) -> list[str]:
+    ids = []
+    with psycopg.connect(url) as conn:
+        for start in range(0, n, per_transaction):
+            for i in range(start, min(n, start + per_transaction)):
+                ids.append(str(relay.enqueue(conn, exchange, f"k.{i}", str(i))))
+            conn.commit()
+    return ids
+
+
+def relay_env(database_url: str, amqp_url: str, **extra: str) -> dict[str, str]:
+    return clean_env(
+        OUTBOX_DATABASE_URL=database_url,
+        OUTBOX_AMQP_URL=amqp_url,
+        OUTBOX_POLL_INTERVAL="0.5",
+        **extra,
+    )
+
+
+def wait_archived(url: str, n: int, timeout: float = 90) -> None:
+    until(
+        lambda: scalar(url, "SELECT count(*) FROM outbox.archive") >= n,
+        timeout=timeout,
+        interval=0.1,
+        message=f"{n} archived rows",
+    )
+
+
+async def test_two_relays_share_5000_messages_without_duplicates(
+    database_url: str, amqp_url: str, broker: Broker
+) -> None:
+    await broker.declare()
+    env = relay_env(database_url, amqp_url, OUTBOX_BATCH_SIZE="100")
+    with RelayProcess(env) as first, RelayProcess(env) as second:
+        first.wait_for("ready")
+        second.wait_for("ready")
+        ids = await asyncio.to_thread(enqueue_many, database_url, broker.exchange, 5000)
+        await asyncio.to_thread(wait_archived, database_url, 5000)
+        assert first.stop() == 0, first.output
+        assert second.stop() == 0, second.output
+    got = await broker.collect(5000, timeout=60, settle=0.5)
+    counts = collections.Counter(g.message_id for g in got)
+    assert set(counts) == set(ids)
+    assert max(counts.values()) == 1
+    assert scalar(database_url, "SELECT count(*) FROM outbox.messages") == 0
+    assert scalar(database_url, "SELECT count(*) FROM outbox.archive") == 5000
+    assert "stopped cleanly" in first.output
+    assert "stopped cleanly" in second.output
+
+
+async def test_sigterm_finishes_the_batch_in_flight_and_exits_zero(
+    database_url: str, amqp_url: str, broker: Broker
+) -> None:
+    await broker.declare()
+    await asyncio.to_thread(enqueue_many, database_url, broker.exchange, 3000)
+    env = relay_env(database_url, amqp_url, OUTBOX_BATCH_SIZE="500")
+    with RelayProcess(env) as proc:
+        proc.wait_for("ready")
+        until(
+            lambda: scalar(database_url, "SELECT count(*) FROM outbox.archive") > 0,
+            message="the first batch",
+        )
+        assert proc.stop() == 0, proc.output
+    # Whatever it had claimed, it settled: nothing stays leased to a relay that is gone.
+    assert (
+        scalar(
+            database_url,
+            "SELECT count(*) FROM outbox.messages WHERE claim_id IS NOT NULL"
+            " AND available_at > now()",
+        )
+        == 0
+    )
+    archived = scalar(database_url, "SELECT count(*) FROM outbox.archive")
+    got = await broker.collect(archived, settle=0.3)
+    assert len(got) == archived
+
+
+async def test_killed_relay_rows_are_delivered_by_another_after_the_lease(
+    database_url: str, amqp_url: str, broker: Broker
+) -> None:
+    await broker.declare()
+    target = urlsplit(amqp_url)
+    with TcpProxy(target.hostname or "127.0.0.1", target.port or 5672) as proxy:
+        via_proxy = target._replace(
+            netloc=f"{target.username}:{target.password}@127.0.0.1:{proxy.port}"
+        ).geturl()
+        doomed_env = relay_env(
+            database_url, via_proxy, OUTBOX_LEASE="3", OUTBOX_CONFIRM_TIMEOUT="60"
+        )
+        with RelayProcess(doomed_env) as doomed:
+            doomed.wait_for("ready")
+            proxy.pause()  # its publishes now stall on the way to the broker
+            ids = await asyncio.to_thread(enqueue_many, database_url, broker.exchange, 50)
+            until(
+                lambda: (
+                    scalar(
+                        database_url,
+                        "SELECT count(*) FROM outbox.messages WHERE claim_id IS NOT NULL",
+                    )
+                    == 50
+                ),
+                message="the doomed relay to claim all 50 rows",
+            )
+            doomed.kill()
+            proxy.cut()  # what it wrote never reaches the broker
+    in_flight = scalar(
+        database_url, "SELECT count(*) FROM outbox.messages WHERE available_at > now()"
+    )
+    assert in_flight == 50  # still leased to the dead relay
+    with RelayProcess(relay_env(database_url, amqp_url)) as rescuer:
+        rescuer.wait_for("ready")
+        wait_archived(database_url, 50, timeout=30)
+        assert rescuer.stop() == 0
+    got = await broker.collect(50, settle=0.5)
+    assert sorted(g.message_id for g in got) == sorted(ids)
+    assert scalar(database_url, "SELECT min(attempts) FROM outbox.archive") == 2
+    assert scalar(database_url, "SELECT count(*) FROM outbox.messages") == 0
+
+
+async def test_broker_restart_mid_run_loses_nothing(
+    database_url: str, amqp_url: str, broker: Broker, svc: Services
+) -> None:
+    await broker.declare(durable=True)  # messages must outlive the broker restart too
+    committed: list[str] = []
+    producing = threading.Event()
+
+    def produce() -> None:
+        producing.set()
+        for _ in range(40):
+            committed.extend(enqueue_many(database_url, broker.exchange, 25, per_transaction=25))
+            time.sleep(0.05)  # a steady trickle of producers over a few seconds
+
+    env = relay_env(database_url, amqp_url, OUTBOX_BATCH_SIZE="50")
+    with RelayProcess(env) as proc:
+        proc.wait_for("ready")
+        producer = threading.Thread(target=produce)
+        producer.start()
+        producing.wait(10)
+        until(
+            lambda: scalar(database_url, "SELECT count(*) FROM outbox.archive") >= 100,
+            message="traffic before the restart",
+        )
+        try:
+            await asyncio.to_thread(svc.broker_ctl, "stop_app")
+            proc.wait_for("RabbitMQ unavailable", timeout=30)
+        finally:
+            await asyncio.to_thread(svc.broker_ctl, "start_app")
+        producer.join(60)
+        await asyncio.to_thread(wait_archived, database_url, len(committed), 120)
+        assert proc.stop() == 0, proc.output
+    assert len(committed) == 1000
+    got = await broker.collect(len(committed), timeout=60, settle=0.5)
+    counts = collections.Counter(g.message_id for g in got)
+    assert set(counts) == set(committed), "every committed message reached the queue"
+    assert scalar(database_url, "SELECT count(*) FROM outbox.messages") == 0

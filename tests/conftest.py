@@ -1,0 +1,82 @@
+"""Fixtures shared by the suite: real services, a fresh migrated database per test, a broker."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import psycopg
+import pytest
+
+from relay import migrate
+from tests.support import amqp, services
+
+
+@pytest.fixture(autouse=True)
+def _hermetic_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings come from each test, never from the developer's shell (OUTBOX_TEST_* excepted)."""
+    for name in list(os.environ):
+        if name.startswith("OUTBOX_") and not name.startswith("OUTBOX_TEST_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture(scope="session")
+def svc() -> Iterator[services.Services]:
+    try:
+        with services.discover() as found:
+            yield found
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+def _admin(svc: services.Services) -> psycopg.Connection[tuple[object, ...]]:
+    return psycopg.connect(svc.database_url, autocommit=True)
+
+
+@pytest.fixture(scope="session")
+def template_db(svc: services.Services) -> Iterator[str]:
+    """A database migrated once per session; each test gets a copy (CREATE DATABASE … TEMPLATE)."""
+    name = f"outbox_template_{os.getpid()}"
+    with _admin(svc) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    migrate.migrate(svc.with_database(name), "outbox")
+    yield name
+    with _admin(svc) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _fresh_database(svc: services.Services, template: str) -> Iterator[str]:
+    name = f"outbox_t_{uuid.uuid4().hex[:12]}"
+    with _admin(svc) as conn:
+        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+    try:
+        yield svc.with_database(name)
+    finally:
+        with _admin(svc) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def database_url(svc: services.Services, template_db: str) -> Iterator[str]:
+    """A migrated database of this test's own."""
+    yield from _fresh_database(svc, template_db)
+
+
+@pytest.fixture
+def empty_database_url(svc: services.Services) -> Iterator[str]:
+    """A database with no outbox schema at all."""
+    yield from _fresh_database(svc, "template1")
+
+
+@pytest.fixture
+def amqp_url(svc: services.Services) -> str:
+    return svc.amqp_url
+
+
+@pytest.fixture
+async def broker(amqp_url: str) -> AsyncIterator[amqp.Broker]:
+    """An exchange and a queue named for this test alone (declared by the test), deleted after."""
+    async with amqp.broker(amqp_url) as b:
+        yield b

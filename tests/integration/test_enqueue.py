@@ -1,0 +1,252 @@
+"""enqueue() and enqueue_json() in SQL, and relay.enqueue / enqueue_async, on real PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+import psycopg.errors
+import pytest
+
+import relay
+from relay import errors
+
+
+def count(url: str, table: str = "messages") -> int:
+    with psycopg.connect(url) as conn:
+        row = conn.execute(f"SELECT count(*) FROM outbox.{table}").fetchone()
+        assert row is not None
+        return int(row[0])
+
+
+def fetch(url: str, message_id: uuid.UUID) -> dict[str, Any]:
+    with psycopg.connect(url) as conn:
+        cur = conn.execute(
+            "SELECT exchange, routing_key, body, headers, properties, ordering_key, attempts,"
+            " created_at, available_at FROM outbox.messages WHERE message_id = %s",
+            [message_id],
+        )
+        row = cur.fetchone()
+        assert row is not None, f"no row for {message_id}"
+        return dict(zip([c.name for c in cur.description or ()], row, strict=True))
+
+
+def test_python_enqueue_writes_in_the_callers_transaction(database_url: str) -> None:
+    with psycopg.connect(database_url) as conn:
+        message_id = relay.enqueue(
+            conn,
+            "orders",
+            "order.created",
+            b"\x00\x01binary",
+            headers={"tenant": "acme", "n": 7},
+            properties={"correlation_id": "c-1", "priority": 5},
+        )
+        assert count(database_url) == 0  # not visible until the caller commits
+        conn.commit()
+    row = fetch(database_url, message_id)
+    assert row["exchange"] == "orders"
+    assert row["routing_key"] == "order.created"
+    assert bytes(row["body"]) == b"\x00\x01binary"
+    assert row["headers"] == {"tenant": "acme", "n": 7}
+    assert row["properties"] == {
+        "correlation_id": "c-1",
+        "priority": 5,
+        "content_type": "application/octet-stream",
+    }
+    assert row["attempts"] == 0
+
+
+def test_rolled_back_enqueue_leaves_nothing(database_url: str) -> None:
+    with psycopg.connect(database_url) as conn:
+        relay.enqueue(conn, "orders", "order.created", b"x")
+        conn.rollback()
+    assert count(database_url) == 0
+
+
+def test_dict_body_is_json_and_str_body_is_text(database_url: str) -> None:
+    with psycopg.connect(database_url) as conn:
+        as_json = relay.enqueue(conn, "x", "k", {"b": 1, "a": ["é", None]})
+        as_text = relay.enqueue(conn, "x", "k", "héllo")
+        own_type = relay.enqueue(
+            conn, "x", "k", [1, 2], properties={"content_type": "application/vnd.x+json"}
+        )
+        conn.commit()
+    json_row = fetch(database_url, as_json)
+    assert json.loads(bytes(json_row["body"])) == {"b": 1, "a": ["é", None]}
+    assert bytes(json_row["body"]) == '{"b":1,"a":["é",null]}'.encode()  # the producer's key order
+    assert json_row["properties"]["content_type"] == "application/json"
+    assert bytes(fetch(database_url, as_text)["body"]) == "héllo".encode()
+    assert fetch(database_url, as_text)["properties"]["content_type"] == "text/plain; charset=utf-8"
+    assert fetch(database_url, own_type)["properties"]["content_type"] == "application/vnd.x+json"
+
+
+async def test_async_enqueue(database_url: str) -> None:
+    async with await psycopg.AsyncConnection.connect(database_url) as conn:
+        message_id = await relay.enqueue_async(conn, "", "queue-name", b"to the default exchange")
+        await conn.commit()
+    assert fetch(database_url, message_id)["exchange"] == ""
+
+
+def test_given_message_id_is_kept_and_duplicates_are_refused(database_url: str) -> None:
+    mine = uuid.uuid4()
+    with psycopg.connect(database_url) as conn:
+        assert relay.enqueue(conn, "x", "k", b"1", message_id=mine) == mine
+        conn.commit()
+        with pytest.raises(errors.DuplicateMessage, match=str(mine)):
+            relay.enqueue(conn, "x", "k", b"2", message_id=mine)
+        conn.rollback()
+    assert count(database_url) == 1
+
+
+def test_available_at_accepts_a_time_or_a_delay(database_url: str) -> None:
+    at = datetime(2030, 5, 17, 12, 0, tzinfo=UTC)
+    with psycopg.connect(database_url) as conn:
+        scheduled = relay.enqueue(conn, "x", "k", b"", available_at=at)
+        delayed = relay.enqueue(conn, "x", "k", b"", available_at=timedelta(hours=1))
+        conn.commit()
+    assert fetch(database_url, scheduled)["available_at"] == at
+    row = fetch(database_url, delayed)
+    assert timedelta(minutes=59) < row["available_at"] - row["created_at"] < timedelta(minutes=61)
+
+
+def test_sql_enqueue_from_plain_sql_with_named_arguments(database_url: str) -> None:
+    with psycopg.connect(database_url) as conn:
+        cur = conn.execute(
+            "SELECT outbox.enqueue(exchange => 'billing', routing_key => 'invoice.paid',"
+            " body => convert_to('paid', 'UTF8'), ordering_key => 'invoice-42')"
+        )
+        row = cur.fetchone()
+        assert row is not None
+        conn.commit()
+    stored = fetch(database_url, row[0])
+    assert (stored["exchange"], stored["ordering_key"]) == ("billing", "invoice-42")
+
+
+def test_enqueue_json_sets_content_type(database_url: str) -> None:
+    with psycopg.connect(database_url) as conn:
+        row = conn.execute(
+            "SELECT outbox.enqueue_json('x', 'k', '{\"total\": 12.50}'::jsonb)"
+        ).fetchone()
+        assert row is not None
+        conn.commit()
+    stored = fetch(database_url, row[0])
+    assert json.loads(bytes(stored["body"])) == {"total": 12.50}
+    assert stored["properties"]["content_type"] == "application/json"
+
+
+BAD_ARGUMENTS = [
+    ("NULL, 'k', 'b'::bytea", "exchange must not be NULL"),
+    ("'x', NULL, 'b'::bytea", "routing_key must not be NULL"),
+    ("repeat('e', 256), 'k', 'b'::bytea", "exchange is 256 bytes long"),
+    ("'x', repeat('é', 128), 'b'::bytea", "routing_key is 256 bytes long"),
+    ("'x', 'k', NULL::bytea", "body must not be NULL"),
+    ("'x', 'k', 'b'::bytea, headers => '[1]'", "headers must be a JSON object, not array"),
+    ("'x', 'k', 'b'::bytea, headers => '{\"x-outbox-attempt\": 1}'", "reserved prefix"),
+    ("'x', 'k', 'b'::bytea, properties => '\"text\"'", "properties must be a JSON object"),
+    (
+        "'x', 'k', 'b'::bytea, properties => '{\"colour\": \"red\"}'",
+        'unknown AMQP property "colour"',
+    ),
+    ("'x', 'k', 'b'::bytea, properties => '{\"message_id\": \"m\"}'", "set by the relay"),
+    ("'x', 'k', 'b'::bytea, properties => '{\"priority\": 256}'", "priority must be an integer"),
+    ("'x', 'k', 'b'::bytea, properties => '{\"delivery_mode\": 3}'", "delivery_mode must be 1"),
+    ("'x', 'k', 'b'::bytea, properties => '{\"expiration\": \"soon\"}'", "expiration must be"),
+    ("'x', 'k', 'b'::bytea, properties => '{\"reply_to\": 5}'", "reply_to must be a string"),
+    ("'x', 'k', 'b'::bytea, ordering_key => ''", "ordering_key must be 1 to 255 bytes"),
+    ("'x', 'k', 'b'::bytea, available_at => 'infinity'", "available_at must be a finite time"),
+]
+
+
+@pytest.mark.parametrize(("arguments", "message"), BAD_ARGUMENTS, ids=[m for _, m in BAD_ARGUMENTS])
+def test_bad_arguments_raise_a_clear_sql_error_and_write_nothing(
+    database_url: str, arguments: str, message: str
+) -> None:
+    with psycopg.connect(database_url) as conn:
+        conn.execute("SELECT outbox.enqueue('x', 'k', 'kept'::bytea)")
+        conn.commit()
+        with pytest.raises(psycopg.errors.InvalidParameterValue, match=message) as info:
+            conn.execute(f"SELECT outbox.enqueue({arguments})")
+        assert info.value.sqlstate == "22023"
+        conn.rollback()
+    assert count(database_url) == 1
+
+
+def test_body_limit_is_a_setting(database_url: str) -> None:
+    with psycopg.connect(database_url) as conn:
+        conn.execute("UPDATE outbox.settings SET max_body_bytes = 10")
+        conn.commit()
+        relay.enqueue(conn, "x", "k", b"0123456789")
+        with pytest.raises(errors.InvalidMessage, match="body is 11 bytes; the limit is 10 bytes"):
+            relay.enqueue(conn, "x", "k", b"0123456789A")
+        conn.rollback()
+
+
+def test_empty_exchange_is_valid_the_default_exchange(database_url: str) -> None:
+    with psycopg.connect(database_url) as conn:
+        relay.enqueue(conn, "", "some-queue", b"")
+        conn.commit()
+    assert count(database_url) == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"body": 12}, TypeError),
+        ({"exchange": 5}, TypeError),
+        ({"headers": [("a", 1)]}, TypeError),
+        ({"headers": {"when": datetime.now(UTC)}}, errors.InvalidMessage),
+        ({"body": {"x": float("nan")}}, errors.InvalidMessage),
+        ({"available_at": datetime(2030, 1, 1)}, errors.InvalidMessage),
+        ({"available_at": "tomorrow"}, TypeError),
+    ],
+)
+def test_python_api_rejects_bad_types_before_sql(
+    database_url: str, kwargs: dict[str, Any], error: type[Exception]
+) -> None:
+    arguments: dict[str, Any] = {"exchange": "x", "routing_key": "k", "body": b""} | kwargs
+    with psycopg.connect(database_url) as conn:
+        with pytest.raises(error):
+            relay.enqueue(conn, **arguments)
+        assert conn.info.transaction_status != psycopg.pq.TransactionStatus.INERROR
+
+
+def test_python_api_translates_sql_errors(database_url: str) -> None:
+    with (
+        psycopg.connect(database_url) as conn,
+        pytest.raises(errors.InvalidMessage, match="exchange must not be NULL"),
+    ):
+        relay.enqueue(conn, None, "k", b"")  # type: ignore[arg-type]
+
+
+def test_missing_schema_says_run_migrate(empty_database_url: str) -> None:
+    with (
+        psycopg.connect(empty_database_url) as conn,
+        pytest.raises(errors.SchemaMissing, match="outbox-relay migrate"),
+    ):
+        relay.enqueue(conn, "x", "k", b"")
+
+
+def test_one_notification_per_transaction_none_on_rollback(database_url: str) -> None:
+    with (
+        psycopg.connect(database_url, autocommit=True) as listener,
+        psycopg.connect(database_url) as producer,
+    ):
+        listener.execute('LISTEN "outbox_new"')
+        for _ in range(20):
+            relay.enqueue(producer, "x", "k", b"")
+        producer.commit()
+        relay.enqueue(producer, "x", "k", b"")
+        producer.rollback()
+        relay.enqueue(producer, "x", "k", b"", available_at=timedelta(hours=1))  # scheduled: silent
+        producer.commit()
+        producer.execute("NOTIFY outbox_new, 'sentinel'")  # delivered after everything above
+        producer.commit()
+        payloads = []
+        for note in listener.notifies(timeout=10):
+            payloads.append(note.payload)
+            if note.payload == "sentinel":
+                break
+    assert payloads == ["", "sentinel"]

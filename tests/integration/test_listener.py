@@ -1,0 +1,55 @@
+"""The LISTEN connection: wakes the relay on commit, and comes back after being killed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import psycopg
+import pytest
+
+import relay
+from relay.listener import Listener
+from tests.support.wait import until_async
+
+
+@pytest.fixture
+async def listener(database_url: str) -> AsyncIterator[Listener]:
+    listening = Listener(database_url, "outbox", asyncio.Event())
+    task = asyncio.create_task(listening.run())
+    await asyncio.wait_for(listening.connected.wait(), 10)
+    yield listening
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def enqueue_one(url: str) -> None:
+    async with await psycopg.AsyncConnection.connect(url) as conn:
+        await relay.enqueue_async(conn, "x", "k", b"")
+        await conn.commit()
+
+
+async def test_commit_wakes_the_relay(listener: Listener, database_url: str) -> None:
+    listener.wake.clear()
+    await enqueue_one(database_url)
+    await asyncio.wait_for(listener.wake.wait(), 10)
+    assert listener.notifications == 1
+
+
+async def test_listener_reconnects_after_its_backend_is_terminated(
+    listener: Listener, database_url: str
+) -> None:
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as admin:
+        cur = await admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE query LIKE 'LISTEN%%' AND datname = current_database()"
+        )
+        assert [row[0] for row in await cur.fetchall()] == [True]
+
+    async def reconnected() -> bool:
+        return listener.connects == 2 and listener.connected.is_set()
+
+    await until_async(reconnected, timeout=10, message="the listener to reconnect")
+    listener.wake.clear()
+    await enqueue_one(database_url)
+    await asyncio.wait_for(listener.wake.wait(), 10)

@@ -1,0 +1,247 @@
+"""AmqpPublisher against real RabbitMQ: each broker outcome, and failures caused through a proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import socket
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import urlsplit
+
+import aio_pika
+import pytest
+
+from relay import errors, model
+from relay.publisher import AmqpPublisher
+from tests.support.amqp import Broker
+from tests.support.proxy import TcpProxy
+
+Outcome = model.Outcome
+_ids = itertools.count(1)
+
+
+def message(
+    exchange: str,
+    routing_key: str = "k",
+    body: bytes = b"body",
+    *,
+    headers: dict[str, Any] | None = None,
+    properties: dict[str, Any] | None = None,
+    attempts: int = 1,
+    ordering_key: str | None = None,
+) -> model.OutboxMessage:
+    return model.OutboxMessage(
+        id=next(_ids),
+        message_id=uuid.uuid4(),
+        exchange=exchange,
+        routing_key=routing_key,
+        body=body,
+        headers=headers or {},
+        properties={"content_type": "application/octet-stream"} | (properties or {}),
+        ordering_key=ordering_key,
+        created_at=datetime(2026, 3, 4, 5, 6, 7, tzinfo=UTC),
+        attempts=attempts,
+    )
+
+
+@pytest.fixture
+async def publisher(amqp_url: str) -> AsyncIterator[AmqpPublisher]:
+    p = AmqpPublisher(amqp_url, confirm_timeout=5)
+    await p.connect()
+    yield p
+    await p.close()
+
+
+def outcomes(results: list[model.PublishResult]) -> list[Outcome]:
+    return [r.outcome for r in results]
+
+
+async def test_acked_message_arrives_with_its_id_properties_and_headers(
+    publisher: AmqpPublisher, broker: Broker
+) -> None:
+    await broker.declare(binding="order.*")
+    sent = message(
+        broker.exchange,
+        "order.created",
+        b'{"id": 1}',
+        headers={"tenant": "acme"},
+        properties={
+            "content_type": "application/json",
+            "correlation_id": "c-9",
+            "priority": 3,
+            "expiration": 60000,
+            "type": "OrderCreated",
+            "app_id": "shop",
+        },
+        attempts=2,
+        ordering_key="order-1",
+    )
+    assert outcomes(await publisher.publish([sent])) == [Outcome.ACKED]
+    (got,) = await broker.collect(1)
+    incoming = got.properties
+    assert got.message_id == str(sent.message_id)
+    assert got.body == b'{"id": 1}'
+    assert got.headers == {
+        "tenant": "acme",
+        "x-outbox-attempt": 2,
+        "x-outbox-ordering-key": "order-1",
+    }
+    assert incoming.content_type == "application/json"
+    assert incoming.correlation_id == "c-9"
+    assert incoming.priority == 3
+    assert incoming.expiration == 60.0  # aio-pika decodes the AMQP milliseconds into seconds
+    assert incoming.type == "OrderCreated"
+    assert incoming.app_id == "shop"
+    assert incoming.delivery_mode == aio_pika.DeliveryMode.PERSISTENT
+    assert incoming.timestamp == datetime(2026, 3, 4, 5, 6, 7, tzinfo=UTC)
+
+
+async def test_transient_delivery_mode_when_asked(publisher: AmqpPublisher, broker: Broker) -> None:
+    await broker.declare()
+    await publisher.publish([message(broker.exchange, properties={"delivery_mode": 1})])
+    (got,) = await broker.collect(1)
+    assert got.properties.delivery_mode == aio_pika.DeliveryMode.NOT_PERSISTENT
+
+
+async def test_unroutable_message_is_returned(publisher: AmqpPublisher, broker: Broker) -> None:
+    await broker.declare(binding="only.this")
+    results = await publisher.publish([message(broker.exchange, "something.else")])
+    assert outcomes(results) == [Outcome.RETURNED]
+    assert "312 NO_ROUTE" in results[0].detail
+
+
+async def test_refusing_queue_nacks(publisher: AmqpPublisher, broker: Broker) -> None:
+    await broker.declare(queue_arguments={"x-max-length": 0, "x-overflow": "reject-publish"})
+    assert outcomes(await publisher.publish([message(broker.exchange)])) == [Outcome.NACKED]
+
+
+async def test_missing_exchange_spares_the_rest_of_the_batch(
+    publisher: AmqpPublisher, broker: Broker
+) -> None:
+    await broker.declare()
+    batch = [
+        message(broker.exchange, "a"),
+        message(f"{broker.exchange}.missing", "b"),
+        message(broker.exchange, "c"),
+    ]
+    results = await publisher.publish(batch)
+    assert outcomes(results) == [Outcome.ACKED, Outcome.NO_EXCHANGE, Outcome.ACKED]
+    assert ".missing" in results[1].detail
+    got = await broker.collect(2, settle=0.2)
+    assert sorted(g.routing_key for g in got) == ["a", "c"]
+
+
+async def test_exchange_deleted_after_it_was_checked(amqp_url: str, broker: Broker) -> None:
+    # The probe's answer is cached; when the exchange vanishes after that, the publish itself closes
+    # the channel. The culprit is named, the others are ambiguous (never lost), and the publisher
+    # recovers on the next connect().
+    publisher = AmqpPublisher(amqp_url, confirm_timeout=5, exchange_ttl=3600)
+    await publisher.connect()
+    try:
+        await broker.declare()
+        doomed = f"{broker.exchange}.doomed"
+        async with broker.channel() as channel:
+            await channel.declare_exchange(doomed)
+            # It exists (so the probe caches it) but nothing is bound: returned, not missing.
+            assert outcomes(await publisher.publish([message(doomed)])) == [Outcome.RETURNED]
+            await channel.exchange_delete(doomed)
+        results = await publisher.publish(
+            [message(broker.exchange, "a"), message(doomed), message(broker.exchange, "c")]
+        )
+        assert results[1].outcome == Outcome.NO_EXCHANGE
+        assert {results[0].outcome, results[2].outcome} <= {Outcome.ACKED, Outcome.AMBIGUOUS}
+        await publisher.connect()
+        assert outcomes(await publisher.publish([message(broker.exchange, "d")])) == [Outcome.ACKED]
+    finally:
+        await publisher.close()
+
+
+@pytest.mark.parametrize(
+    ("headers", "properties", "detail"),
+    [
+        ({}, {"colour": "red"}, "unknown AMQP properties: colour"),
+        ({"k" * 129: 1}, {}, "longer than AMQP's 128 bytes"),
+        ({"nested": [{"k" * 200: 1}]}, {}, "longer than AMQP's 128 bytes"),
+        ({"big": 2**70}, {}, "cannot encode"),
+        ({}, {"delivery_mode": 3}, "cannot encode"),
+        ({}, {"priority": 2.5}, "whole number"),
+        ({}, {"reply_to": 7}, "reply_to must be a string"),
+        ({}, {"user_id": "somebody-else"}, "user_id must equal"),
+        ({"huge": "x" * 200_000}, {}, "frame_max"),
+    ],
+)
+async def test_rows_that_cannot_be_encoded_are_invalid_and_spare_the_batch(
+    publisher: AmqpPublisher,
+    broker: Broker,
+    headers: dict[str, Any],
+    properties: dict[str, Any],
+    detail: str,
+) -> None:
+    await broker.declare()
+    results = await publisher.publish(
+        [
+            message(broker.exchange, "ok"),
+            message(broker.exchange, "bad", headers=headers, properties=properties),
+        ]
+    )
+    assert outcomes(results) == [Outcome.ACKED, Outcome.INVALID]
+    assert detail in results[1].detail
+    assert [g.routing_key for g in await broker.collect(1, settle=0.2)] == ["ok"]
+
+
+def _target(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or 5672
+
+
+def _via(url: str, port: int) -> str:
+    parts = urlsplit(url)
+    return parts._replace(netloc=f"{parts.username}:{parts.password}@127.0.0.1:{port}").geturl()
+
+
+async def test_stalled_broker_makes_the_batch_ambiguous(amqp_url: str, broker: Broker) -> None:
+    await broker.declare()
+    with TcpProxy(*_target(amqp_url)) as proxy:
+        publisher = AmqpPublisher(_via(amqp_url, proxy.port), confirm_timeout=0.5)
+        await publisher.connect()
+        await publisher.publish([message(broker.exchange)])  # warms the exchange cache
+        proxy.pause()
+        results = await publisher.publish([message(broker.exchange) for _ in range(3)])
+        assert outcomes(results) == [Outcome.AMBIGUOUS] * 3
+        assert "no confirm within 0.5s" in results[0].detail
+        proxy.resume()
+        await publisher.close()
+
+
+async def test_cut_connection_is_ambiguous_then_reconnects(amqp_url: str, broker: Broker) -> None:
+    await broker.declare()
+    with TcpProxy(*_target(amqp_url)) as proxy:
+        publisher = AmqpPublisher(_via(amqp_url, proxy.port), confirm_timeout=5)
+        await publisher.connect()
+        await publisher.publish([message(broker.exchange)])
+        proxy.pause()
+        batch = [message(broker.exchange) for _ in range(3)]
+        task = asyncio.ensure_future(publisher.publish(batch))
+        await asyncio.sleep(0)  # let the frames be queued before the cut
+        proxy.cut()
+        assert outcomes(await task) == [Outcome.AMBIGUOUS] * 3
+        with pytest.raises(errors.BrokerUnavailable):
+            await publisher.connect()  # the proxy refuses: the broker looks down
+        proxy.restore()
+        proxy.resume()
+        await publisher.connect()
+        assert outcomes(await publisher.publish([message(broker.exchange)])) == [Outcome.ACKED]
+        await publisher.close()
+
+
+async def test_unreachable_broker_raises_broker_unavailable() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound but not listening: connection refused
+        publisher = AmqpPublisher(f"amqp://guest:secret@127.0.0.1:{port}/", connect_timeout=2)
+        with pytest.raises(errors.BrokerUnavailable) as info:
+            await publisher.connect()
+    assert "secret" not in str(info.value)

@@ -1,0 +1,194 @@
+"""One contract for every ports.Store: the in-memory fake the unit tests use, and PgStore."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from typing import Any, Protocol
+from uuid import UUID
+
+import psycopg
+import pytest
+
+import relay
+from relay import model, ports
+from relay.store import PgStore
+from tests.support.fakes import MemoryStore
+from tests.support.wait import until_async
+
+
+class Harness(Protocol):
+    @property
+    def store(self) -> ports.Store: ...
+
+    async def add(self, routing_key: str = "k", *, delay: float = 0.0) -> UUID: ...
+
+    async def advance(self, seconds: float) -> None: ...
+
+    async def attempts(self, message_id: UUID) -> tuple[int, int] | None: ...
+
+
+@dataclasses.dataclass
+class MemoryHarness:
+    store: MemoryStore
+
+    async def add(self, routing_key: str = "k", *, delay: float = 0.0) -> UUID:
+        at = self.store.now + timedelta(seconds=delay)
+        return self.store.add(routing_key=routing_key, body=b"body", available_at=at).message_id
+
+    async def advance(self, seconds: float) -> None:
+        self.store.advance(seconds)
+
+    async def attempts(self, message_id: UUID) -> tuple[int, int] | None:
+        for row in self.store.rows.values():
+            if row.message_id == message_id:
+                return row.attempts, row.ambiguous
+        return None
+
+
+@dataclasses.dataclass
+class PgHarness:
+    store: PgStore
+    url: str
+
+    async def add(self, routing_key: str = "k", *, delay: float = 0.0) -> UUID:
+        async with await psycopg.AsyncConnection.connect(self.url) as conn:
+            message_id = await relay.enqueue_async(
+                conn, "x", routing_key, b"body", available_at=timedelta(seconds=delay)
+            )
+            await conn.commit()
+        return message_id
+
+    async def advance(self, seconds: float) -> None:
+        # Leases and delays are judged by the database's clock, so wait until it has moved on.
+        async with await psycopg.AsyncConnection.connect(self.url, autocommit=True) as conn:
+            target = await _one(conn, "SELECT now() + make_interval(secs => %s)", seconds)
+
+            async def passed() -> bool:
+                return bool(await _one(conn, "SELECT clock_timestamp() > %s", target))
+
+            await until_async(passed, timeout=seconds + 10, interval=0.01)
+
+    async def attempts(self, message_id: UUID) -> tuple[int, int] | None:
+        async with await psycopg.AsyncConnection.connect(self.url) as conn:
+            cur = await conn.execute(
+                "SELECT attempts, ambiguous FROM outbox.messages WHERE message_id = %s",
+                [message_id],
+            )
+            row = await cur.fetchone()
+        return None if row is None else (row[0], row[1])
+
+
+async def _one(conn: psycopg.AsyncConnection[Any], query: str, *args: Any) -> Any:
+    cur = await conn.execute(query, args)
+    row = await cur.fetchone()
+    assert row is not None
+    return row[0]
+
+
+@pytest.fixture(params=["memory", "postgres"])
+async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
+    if request.param == "memory":
+        yield MemoryHarness(MemoryStore(now=datetime.now(UTC)))
+        return
+    url = request.getfixturevalue("database_url")
+    store = await PgStore.open(url, "outbox", "contract-test")
+    try:
+        yield PgHarness(store, url)
+    finally:
+        await store.close()
+
+
+async def test_claim_leases_due_rows_in_order_and_counts_an_attempt(harness: Harness) -> None:
+    ids = [await harness.add(f"k{i}") for i in range(5)]
+    claim = await harness.store.claim(3, lease=30)
+    assert [m.message_id for m in sorted(claim.messages, key=lambda m: m.id)] == ids[:3]
+    assert {m.attempts for m in claim.messages} == {1}
+    assert (await harness.store.claim(10, lease=30)).messages.__len__() == 2
+    assert (await harness.store.claim(10, lease=30)).messages == ()
+
+
+async def test_claimed_rows_carry_the_message(harness: Harness) -> None:
+    message_id = await harness.add("order.created")
+    (message,) = (await harness.store.claim(10, lease=30)).messages
+    assert message.message_id == message_id
+    assert (message.exchange, message.routing_key, message.body) == ("x", "order.created", b"body")
+    assert message.properties["content_type"] == "application/octet-stream"
+    assert message.created_at.tzinfo is not None
+
+
+async def test_scheduled_rows_wait_until_due(harness: Harness) -> None:
+    await harness.add(delay=0.5)
+    assert (await harness.store.claim(10, lease=30)).messages == ()
+    await harness.advance(0.5)
+    assert len((await harness.store.claim(10, lease=30)).messages) == 1
+
+
+async def test_concurrent_claims_never_share_a_row(harness: Harness) -> None:
+    for i in range(60):
+        await harness.add(f"k{i}")
+    claims = await asyncio.gather(*(harness.store.claim(7, lease=30) for _ in range(12)))
+    ids = [m.id for c in claims for m in c.messages]
+    assert sorted(ids) == sorted(set(ids))
+    assert len(ids) == 60
+
+
+async def test_settle_archives_dead_letters_and_retries(harness: Harness) -> None:
+    keep, drop, again = [await harness.add(k) for k in ("a", "b", "c")]
+    claim = await harness.store.claim(10, lease=30)
+    by_id = {m.message_id: m.id for m in claim.messages}
+    counts = await harness.store.settle(
+        claim.claim_id,
+        model.Settlement(
+            archive=(by_id[keep],),
+            dead=(model.DeadLetter(by_id[drop], model.DeadReason.UNROUTABLE, "312 NO_ROUTE"),),
+            retry=(model.Retry(by_id[again], 0.2, "nacked"),),
+        ),
+    )
+    assert counts == model.SettleCounts(archived=1, dead=1, retried=1, fenced=0)
+    stats = await harness.store.stats()
+    assert (stats.archived, stats.dead, stats.dead_by_reason) == (1, 1, {"unroutable": 1})
+    assert (stats.pending, stats.scheduled, stats.in_flight) == (1, 1, 0)
+    assert await harness.attempts(again) == (1, 0)
+    await harness.advance(0.2)
+    (retried,) = (await harness.store.claim(10, lease=30)).messages
+    assert (retried.message_id, retried.attempts, retried.last_error) == (again, 2, "nacked")
+
+
+async def test_refunded_retry_gives_the_attempt_back(harness: Harness) -> None:
+    message_id = await harness.add()
+    claim = await harness.store.claim(10, lease=30)
+    (message,) = claim.messages
+    await harness.store.settle(
+        claim.claim_id,
+        model.Settlement(retry=(model.Retry(message.id, 0.0, "connection lost", refund=True),)),
+    )
+    assert await harness.attempts(message_id) == (0, 1)
+
+
+async def test_expired_lease_returns_the_row_and_fences_the_old_claim(harness: Harness) -> None:
+    message_id = await harness.add()
+    first = await harness.store.claim(10, lease=0.3)
+    assert (await harness.store.claim(10, lease=30)).messages == ()  # still leased
+    await harness.advance(0.3)
+    second = await harness.store.claim(10, lease=30)
+    assert [(m.message_id, m.attempts) for m in second.messages] == [(message_id, 2)]
+    (row,) = second.messages
+    late = await harness.store.settle(first.claim_id, model.Settlement(archive=(row.id,)))
+    assert late == model.SettleCounts(fenced=1)
+    assert (await harness.store.stats()).archived == 0
+    owner = await harness.store.settle(second.claim_id, model.Settlement(archive=(row.id,)))
+    assert owner == model.SettleCounts(archived=1)
+
+
+async def test_stats_count_each_state(harness: Harness) -> None:
+    for _ in range(3):
+        await harness.add()
+    await harness.add(delay=3600)
+    await harness.store.claim(1, lease=30)
+    stats = await harness.store.stats()
+    assert (stats.pending, stats.due, stats.scheduled, stats.in_flight) == (3, 2, 1, 1)
+    assert stats.oldest_pending_age_seconds is not None
+    assert 0 <= stats.oldest_pending_age_seconds < 60

@@ -1,0 +1,1 @@
+"""Test helpers: service discovery, fakes, a TCP proxy, relay subprocesses and deadline waits."""

@@ -1,0 +1,194 @@
+"""In-memory stand-ins for the loop's ports: a store with a settable clock and a scripted publisher.
+
+The store must behave like PgStore; tests/integration/test_store_contract.py runs the same
+contract against both, so the unit tests of the loop can trust it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from uuid import UUID
+
+from relay import errors, model
+
+
+@dataclasses.dataclass
+class Row:
+    id: int
+    message_id: UUID
+    exchange: str
+    routing_key: str
+    body: bytes
+    headers: dict[str, Any]
+    properties: dict[str, Any]
+    ordering_key: str | None
+    created_at: datetime
+    available_at: datetime
+    attempts: int = 0
+    ambiguous: int = 0
+    claim_id: UUID | None = None
+    last_error: str | None = None
+
+
+@dataclasses.dataclass
+class Settled:
+    row: Row
+    reason: str | None = None  # None for archived rows
+    detail: str = ""
+
+
+class MemoryStore:
+    """ports.Store in a dict. `now` is a settable clock; `fail_next` makes calls raise outages."""
+
+    def __init__(self, now: datetime | None = None) -> None:
+        self.now = now or datetime(2026, 1, 1, tzinfo=UTC)
+        self.rows: dict[int, Row] = {}
+        self.archive: list[Settled] = []
+        self.dead: list[Settled] = []
+        self.fail_next: dict[str, int] = {}  # method name -> how many more calls raise
+        self.calls: list[str] = []
+        self._ids = 0
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+    def add(
+        self,
+        exchange: str = "x",
+        routing_key: str = "rk",
+        body: bytes = b"{}",
+        *,
+        available_at: datetime | None = None,
+        headers: dict[str, Any] | None = None,
+    ) -> Row:
+        self._ids += 1
+        row = Row(
+            self._ids,
+            uuid.uuid4(),
+            exchange,
+            routing_key,
+            body,
+            headers or {},
+            {"content_type": "application/octet-stream"},
+            None,
+            self.now,
+            available_at or self.now,
+        )
+        self.rows[row.id] = row
+        return row
+
+    def _enter(self, method: str) -> None:
+        self.calls.append(method)
+        if self.fail_next.get(method, 0) > 0:
+            self.fail_next[method] -= 1
+            raise errors.DatabaseUnavailable(f"{method}: simulated outage")
+
+    async def claim(self, limit: int, lease: float) -> model.Claim:
+        self._enter("claim")
+        due = sorted(
+            (r for r in self.rows.values() if r.available_at <= self.now),
+            key=lambda r: (r.available_at, r.id),
+        )[:limit]
+        claim_id = uuid.uuid4()
+        for row in due:
+            row.attempts += 1
+            row.claim_id = claim_id
+            row.available_at = self.now + timedelta(seconds=lease)
+        return model.Claim(claim_id, tuple(_message(r) for r in due))
+
+    async def settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:
+        self._enter("settle")
+        owned = {i for i, r in self.rows.items() if r.claim_id == claim_id}
+        archived = [i for i in settlement.archive if i in owned]
+        dead = [d for d in settlement.dead if d.id in owned]
+        retried = [r for r in settlement.retry if r.id in owned]
+        for i in archived:
+            self.archive.append(Settled(self.rows.pop(i)))
+        for d in dead:
+            self.dead.append(Settled(self.rows.pop(d.id), d.reason.value, d.detail))
+        for r in retried:
+            row = self.rows[r.id]
+            row.available_at = self.now + timedelta(seconds=r.delay)
+            row.attempts -= int(r.refund)
+            row.ambiguous += int(r.refund)
+            row.claim_id = None
+            row.last_error = r.error
+        fenced = settlement.size - len(archived) - len(dead) - len(retried)
+        return model.SettleCounts(len(archived), len(dead), len(retried), fenced)
+
+    async def stats(self) -> model.Stats:
+        self._enter("stats")
+        leased = {
+            i for i, r in self.rows.items() if r.claim_id is not None and r.available_at > self.now
+        }
+        pending = [r for i, r in self.rows.items() if i not in leased]
+        due = [r for r in pending if r.available_at <= self.now]
+        oldest = min((r.created_at for r in due), default=None)
+        by_reason: dict[str, int] = {}
+        for d in self.dead:
+            assert d.reason is not None
+            by_reason[d.reason] = by_reason.get(d.reason, 0) + 1
+        return model.Stats(
+            pending=len(pending),
+            due=len(due),
+            scheduled=len(pending) - len(due),
+            in_flight=len(leased),
+            oldest_pending_age_seconds=None
+            if oldest is None
+            else (self.now - oldest).total_seconds(),
+            archived=len(self.archive),
+            dead=len(self.dead),
+            dead_by_reason=by_reason,
+        )
+
+
+def _message(row: Row) -> model.OutboxMessage:
+    return model.OutboxMessage(
+        id=row.id,
+        message_id=row.message_id,
+        exchange=row.exchange,
+        routing_key=row.routing_key,
+        body=row.body,
+        headers=dict(row.headers),
+        properties=dict(row.properties),
+        ordering_key=row.ordering_key,
+        created_at=row.created_at,
+        attempts=row.attempts,
+        ambiguous=row.ambiguous,
+        last_error=row.last_error,
+    )
+
+
+Script = Callable[[model.OutboxMessage], model.PublishResult]
+
+
+def acked(_: model.OutboxMessage) -> model.PublishResult:
+    return model.PublishResult(model.Outcome.ACKED)
+
+
+class ScriptedPublisher:
+    """ports.Publisher whose outcome for each message is decided by `script`.
+    `down` > 0 makes that many connect() calls raise BrokerUnavailable."""
+
+    def __init__(self, script: Script = acked) -> None:
+        self.script = script
+        self.down = 0
+        self.published: list[model.OutboxMessage] = []
+        self.batches = 0
+
+    async def connect(self) -> None:
+        if self.down > 0:
+            self.down -= 1
+            raise errors.BrokerUnavailable("simulated broker outage")
+
+    async def publish(self, messages: Sequence[model.OutboxMessage]) -> list[model.PublishResult]:
+        self.batches += 1
+        self.published.extend(messages)
+        return [self.script(m) for m in messages]
+
+    async def close(self) -> None:
+        return None

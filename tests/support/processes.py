@@ -1,0 +1,97 @@
+"""`outbox-relay` as a real subprocess, with its output captured line by line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+
+
+def clean_env(**settings: str) -> dict[str, str]:
+    """The parent's environment without any OUTBOX_* setting, plus `settings`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env.update(settings)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_cli(
+    *args: str, env: Mapping[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """Run `outbox-relay ARGS` to completion and capture its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "relay", *args],
+        env=dict(env or clean_env()),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+class RelayProcess:
+    """`outbox-relay run` in the background. `wait_for(text)` waits on its output, not on time."""
+
+    def __init__(self, env: Mapping[str, str], *args: str) -> None:
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "relay", "run", *args],
+            env=dict(env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._changed:
+                self.lines.append(line.rstrip("\n"))
+                self._changed.notify_all()
+        with self._changed:
+            self._changed.notify_all()
+
+    @property
+    def output(self) -> str:
+        with self._changed:
+            return "\n".join(self.lines)
+
+    def wait_for(self, text: str, timeout: float = 30.0) -> str:
+        """The first output line containing `text`; AssertionError (with the output) on timeout
+        or if the process exits first."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                for line in self.lines:
+                    if text in line:
+                        return line
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
+                    raise AssertionError(f"relay never printed {text!r}; output:\n{self.output}")
+                self._changed.wait(min(remaining, 0.5))
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then the exit code."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def __enter__(self) -> RelayProcess:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self.proc.poll() is None:
+            self.kill()
+        self._reader.join(5)

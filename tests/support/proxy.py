@@ -1,0 +1,114 @@
+"""A TCP proxy on its own thread, to freeze or cut a real connection to a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class TcpProxy:
+    """Forwards 127.0.0.1:<port> to a target. `pause()` stops forwarding in both directions (bytes
+    wait in the socket buffers, as on a stalled network); `cut()` resets every open connection and
+    refuses new ones until `restore()`."""
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self._target = (target_host, target_port)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, daemon=True, name="tcp-proxy"
+        )
+        self._flowing: asyncio.Event | None = None
+        self._server: asyncio.Server | None = None
+        self._refusing = False
+        self._connections: set[asyncio.StreamWriter] = set()
+        self.port = 0
+        self.accepted = 0
+
+    def __enter__(self) -> TcpProxy:
+        self._thread.start()
+        self.port = self._call(self._start())
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._call(self._stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+    def pause(self) -> None:
+        self._call(self._set_flowing(False))
+
+    def resume(self) -> None:
+        self._call(self._set_flowing(True))
+
+    def cut(self) -> None:
+        self._call(self._cut())
+
+    def restore(self) -> None:
+        self._refusing = False
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=10)
+
+    async def _start(self) -> int:
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def _stop(self) -> None:
+        await self._cut()
+        if self._server is not None:
+            self._server.close()
+
+    async def _set_flowing(self, flowing: bool) -> None:
+        assert self._flowing is not None
+        if flowing:
+            self._flowing.set()
+        else:
+            self._flowing.clear()
+
+    async def _cut(self) -> None:
+        self._refusing = True
+        for writer in list(self._connections):
+            transport = writer.transport
+            if hasattr(transport, "abort"):
+                transport.abort()  # RST, like a crashed peer or a dropped route
+        self._connections.clear()
+
+    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        if self._refusing:
+            client_w.transport.abort()
+            return
+        self.accepted += 1
+        try:
+            server_r, server_w = await asyncio.open_connection(*self._target)
+        except OSError:
+            client_w.transport.abort()
+            return
+        self._connections.update((client_w, server_w))
+        await asyncio.gather(
+            self._pump(client_r, server_w), self._pump(server_r, client_w), return_exceptions=True
+        )
+        for writer in (client_w, server_w):
+            self._connections.discard(writer)
+            with contextlib.suppress(Exception):
+                writer.close()
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert self._flowing is not None
+        while True:
+            await self._flowing.wait()
+            data = await reader.read(65536)
+            if not data:
+                break
+            await self._flowing.wait()
+            writer.write(data)
+            await writer.drain()
+        with contextlib.suppress(Exception):
+            writer.write_eof()

@@ -1,0 +1,83 @@
+"""Settings: defaults, the environment, flags, durations, identifiers and redaction."""
+
+from __future__ import annotations
+
+import pytest
+
+from relay import config, errors
+
+
+def test_defaults_match_the_documented_contract() -> None:
+    settings = config.load()
+    assert (
+        settings.database_url.get_secret_value() == "postgresql://postgres@127.0.0.1:5432/postgres"
+    )
+    assert settings.amqp_url.get_secret_value() == "amqp://guest:guest@127.0.0.1:5672/"
+    assert settings.db_schema == "outbox"
+    assert (settings.batch_size, settings.poll_interval, settings.max_attempts) == (500, 1.0, 10)
+
+
+def test_environment_then_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUTBOX_SCHEMA", "from_env")
+    monkeypatch.setenv("OUTBOX_BATCH_SIZE", "42")
+    assert (config.load().db_schema, config.load().batch_size) == ("from_env", 42)
+    assert config.load(db_schema="from_flag", batch_size=None).db_schema == "from_flag"
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("1.5", 1.5),
+        (2, 2.0),
+        ("250ms", 0.25),
+        ("30s", 30.0),
+        ("5m", 300.0),
+        ("2h", 7200.0),
+        ("7d", 604800.0),
+        (" 10 s ", 10.0),
+        (".5", 0.5),
+    ],
+)
+def test_durations(text: object, seconds: float) -> None:
+    assert config.parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["soon", "-1s", "1w", "", "1.2.3", True])
+def test_bad_durations(text: object) -> None:
+    with pytest.raises(ValueError, match="not a duration"):
+        config.parse_duration(text)
+
+
+@pytest.mark.parametrize("name", ["outbox", "Outbox_2", "_x", "a" * 59])
+def test_good_identifiers(name: str) -> None:
+    assert config.check_identifier(name) == name
+
+
+@pytest.mark.parametrize("name", ['a"b', "a b", "1a", "", "a" * 60, "pg_toast", "PG_x", "é", "a;b"])
+def test_bad_identifiers(name: str) -> None:
+    with pytest.raises(errors.ConfigError, match="invalid schema name"):
+        config.check_identifier(name)
+
+
+def test_secrets_never_appear_in_the_settings_repr() -> None:
+    settings = config.load(database_url="postgresql://u:pw1@h/db", amqp_url="amqp://u:pw2@h/")
+    assert "pw1" not in repr(settings)
+    assert "pw2" not in repr(settings)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("postgresql://u:p@h/db", "postgresql://u:***@h/db"),
+        ("x amqp://guest:gu@st@h:5/ y", "x amqp://guest:***@h:5/ y"),
+        ("postgresql://h/db and amqps://a:b@c/", "postgresql://h/db and amqps://a:***@c/"),
+        ("no url here", "no url here"),
+    ],
+)
+def test_redaction(text: str, expected: str) -> None:
+    assert config.redact_secrets(text) == expected
+
+
+def test_errors_name_the_environment_variable() -> None:
+    with pytest.raises(errors.ConfigError, match="OUTBOX_MAX_ATTEMPTS: Input should be greater"):
+        config.load(max_attempts=0)

@@ -1,0 +1,253 @@
+"""The relay loop against an in-memory store and a scripted publisher."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+from uuid import uuid4
+
+import pytest
+
+from relay import errors, loop, model
+from tests.support.fakes import MemoryStore, Script, ScriptedPublisher
+from tests.support.wait import until_async
+
+Outcome = model.Outcome
+
+
+def outcome(kind: Outcome, detail: str = "") -> Script:
+    return lambda _message: model.PublishResult(kind, detail)
+
+
+def relay_for(store: MemoryStore, publisher: ScriptedPublisher, **options: Any) -> loop.Relay:
+    defaults: dict[str, Any] = {"batch_size": 10, "lease": 30.0, "retry_delay": 1.0}
+    return loop.Relay(store, publisher, loop.Options(**(defaults | options)))
+
+
+async def test_acked_messages_are_archived() -> None:
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    rows = [store.add(routing_key=f"k{i}") for i in range(3)]
+    report = await relay_for(store, publisher).run_once()
+    assert report.claimed == 3
+    assert report.settled == model.SettleCounts(archived=3)
+    assert [s.row.message_id for s in store.archive] == [r.message_id for r in rows]
+    assert store.rows == {}
+
+
+async def test_batch_is_published_in_id_order_and_limited_to_batch_size() -> None:
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    rows = [store.add() for _ in range(25)]
+    relay = relay_for(store, publisher, batch_size=10)
+    assert (await relay.run_once()).claimed == 10
+    assert [m.id for m in publisher.published] == [r.id for r in rows[:10]]
+
+
+async def test_run_until_empty_sweeps_the_whole_backlog() -> None:
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    for _ in range(25):
+        store.add()
+    report = await relay_for(store, publisher, batch_size=10).run_until_empty()
+    assert report.claimed == 25
+    assert report.settled.archived == 25
+    assert publisher.batches == 3
+
+
+@pytest.mark.parametrize(
+    ("kind", "reason"),
+    [
+        (Outcome.RETURNED, "unroutable"),
+        (Outcome.NO_EXCHANGE, "no_exchange"),
+        (Outcome.INVALID, "invalid"),
+    ],
+)
+async def test_final_outcomes_dead_letter_at_once(kind: Outcome, reason: str) -> None:
+    store, publisher = MemoryStore(), ScriptedPublisher(outcome(kind, "why"))
+    store.add()
+    report = await relay_for(store, publisher).run_once()
+    assert [(d.reason, d.detail, d.row.attempts) for d in store.dead] == [(reason, "why", 1)]
+    assert report.dead == {model.DeadReason(reason): 1}
+    assert store.rows == {}
+
+
+async def test_nack_retries_with_backoff_then_dead_letters_at_max_attempts() -> None:
+    store, publisher = MemoryStore(), ScriptedPublisher(outcome(Outcome.NACKED, "nacked"))
+    row = store.add()
+    relay = relay_for(store, publisher, max_attempts=3, retry_delay=1.0, retry_max_delay=100.0)
+    for attempt in (1, 2):
+        await relay.run_once()
+        assert row.attempts == attempt
+        assert row.claim_id is None
+        assert (await relay.run_once()).claimed == 0  # backing off: not due yet
+        store.advance(2.0**attempt)  # the delay for attempt n is at most 2^(n-1) seconds
+    await relay.run_once()
+    assert [(d.reason, d.row.attempts) for d in store.dead] == [("max_attempts", 3)]
+    assert "nacked" in store.dead[0].detail
+    assert len(publisher.published) == 3
+
+
+async def test_ambiguous_outcome_is_resent_without_spending_an_attempt() -> None:
+    store, publisher = MemoryStore(), ScriptedPublisher(outcome(Outcome.AMBIGUOUS, "lost"))
+    row = store.add()
+    relay = relay_for(store, publisher, max_attempts=2, max_ambiguous=3)
+    for n in range(1, 4):
+        await relay.run_once()
+        assert (row.attempts, row.ambiguous) == (0, n)
+        store.advance(1.0)
+    # Past its own cap, an unknown outcome spends attempts like a nack, so it cannot loop forever.
+    await relay.run_once()
+    assert row.attempts == 1
+    store.advance(10.0)
+    await relay.run_once()
+    assert [d.reason for d in store.dead] == ["max_attempts"]
+
+
+async def test_row_claimed_past_max_attempts_is_dead_lettered_without_publishing() -> None:
+    # A relay that crashes while publishing a row never settles it: each lease expiry and re-claim
+    # counts an attempt, so a row that kills every relay still ends in `dead`.
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    row = store.add()
+    for _ in range(3):
+        await store.claim(10, lease=5.0)  # a relay claims it, then dies
+        store.advance(5.0)
+    await relay_for(store, publisher, max_attempts=3).run_once()
+    assert publisher.published == []
+    assert [(d.reason, d.row.message_id) for d in store.dead] == [("max_attempts", row.message_id)]
+    assert "claimed 4 times" in store.dead[0].detail
+
+
+async def test_unexpected_publish_error_counts_an_attempt() -> None:
+    store, publisher = MemoryStore(), ScriptedPublisher(outcome(Outcome.FAILED, "boom"))
+    row = store.add()
+    await relay_for(store, publisher).run_once()
+    assert (row.attempts, row.ambiguous, row.last_error) == (1, 0, "boom")
+
+
+async def test_broker_down_claims_nothing() -> None:
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    store.add()
+    publisher.down = 1
+    with pytest.raises(errors.BrokerUnavailable):
+        await relay_for(store, publisher).run_once()
+    assert "claim" not in store.calls
+    assert next(iter(store.rows.values())).claim_id is None
+
+
+async def test_settle_is_retried_through_a_database_outage() -> None:
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    store.add()
+    store.fail_next["settle"] = 2
+    report = await relay_for(store, publisher).run_once()
+    assert report.settled.archived == 1
+    assert store.calls.count("settle") == 3
+
+
+async def test_settle_of_a_row_reclaimed_elsewhere_is_a_counted_no_op() -> None:
+    store = MemoryStore()
+    row = store.add()
+    first = await store.claim(10, lease=1.0)
+    store.advance(2.0)
+    second = await store.claim(10, lease=1.0)
+    late = await store.settle(first.claim_id, model.Settlement(archive=(row.id,)))
+    assert late == model.SettleCounts(fenced=1)
+    assert row.claim_id == second.claim_id
+    assert store.archive == []
+
+
+async def test_run_wakes_on_the_event_and_stops_when_told() -> None:
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    relay = relay_for(store, publisher, poll_interval=3600.0)
+    stop = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop))
+    await _until(lambda: "claim" in store.calls)
+    store.add()
+    relay.wake.set()
+    await _until(lambda: len(store.archive) == 1)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+
+
+async def test_run_polls_when_no_notification_comes() -> None:
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    relay = relay_for(store, publisher, poll_interval=0.01)
+    stop = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop))
+    await _until(lambda: store.calls.count("claim") >= 3)
+    store.add()  # nobody sets relay.wake: only polling can find it
+    await _until(lambda: len(store.archive) == 1)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+
+
+async def test_run_rides_out_outages_with_backoff() -> None:
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    store.add()
+    publisher.down = 3
+    store.fail_next["claim"] = 2
+    relay = relay_for(store, publisher, poll_interval=0.01, reconnect_max_delay=0.05)
+    stop = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop))
+    await _until(lambda: len(store.archive) == 1)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert publisher.down == 0
+
+
+async def test_run_propagates_a_bug() -> None:
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    store.add()
+
+    async def broken(*_: object) -> model.Claim:
+        raise ZeroDivisionError("a bug")
+
+    store.claim = broken  # type: ignore[method-assign,assignment]
+    with pytest.raises(ZeroDivisionError):
+        await asyncio.wait_for(relay_for(store, publisher).run(asyncio.Event()), 5)
+
+
+async def test_stop_during_backoff_returns_promptly() -> None:
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    publisher.down = 10**6
+    relay = relay_for(store, publisher, reconnect_max_delay=3600.0)
+    stop = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop))
+    await _until(lambda: publisher.down < 10**6 - 3)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+
+
+def test_plan_maps_every_outcome() -> None:
+    messages = [_message(i) for i in range(6)]
+    results = [
+        model.PublishResult(kind, kind.value)
+        for kind in (
+            Outcome.ACKED,
+            Outcome.RETURNED,
+            Outcome.NACKED,
+            Outcome.NO_EXCHANGE,
+            Outcome.INVALID,
+            Outcome.AMBIGUOUS,
+        )
+    ]
+    plan = loop.plan(messages, results, [], loop.Options())
+    assert plan.archive == (0,)
+    assert [(d.id, d.reason.value) for d in plan.dead] == [
+        (1, "unroutable"),
+        (3, "no_exchange"),
+        (4, "invalid"),
+    ]
+    assert [(r.id, r.refund) for r in plan.retry] == [(2, False), (5, True)]
+
+
+def _message(id_: int) -> model.OutboxMessage:
+    return model.OutboxMessage(
+        id_, uuid4(), "x", "rk", b"", {}, {}, None, datetime.now(UTC), attempts=1
+    )
+
+
+async def _until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    async def check() -> bool:
+        return predicate()
+
+    await until_async(check, timeout=timeout, interval=0.001)

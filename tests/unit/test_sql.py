@@ -1,0 +1,34 @@
+"""The named-query loader: every name present, schema names quoted, nothing else spliced in."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from relay import errors, sql
+
+
+def test_every_query_is_loaded_and_bound_to_the_schema() -> None:
+    queries = sql.load("my_outbox")
+    for field in dataclasses.fields(queries):
+        text = getattr(queries, field.name)
+        assert text
+        assert "{schema}" not in text
+        assert "{new_channel}" not in text
+        assert not text.rstrip().endswith(";")
+    assert '"my_outbox".messages' in queries.claim_batch
+    assert queries.listen == 'LISTEN "my_outbox_new"'
+
+
+def test_parse_splits_on_name_headers_and_drops_comments() -> None:
+    parsed = sql.parse(
+        "-- file comment\n-- name: a\n-- about a\nSELECT 1;\n\n-- name: b\nSELECT 2\n"
+    )
+    assert parsed == {"a": "SELECT 1", "b": "SELECT 2"}
+
+
+@pytest.mark.parametrize("schema", ['x" ; DROP SCHEMA outbox CASCADE; --', "x.y", "x y"])
+def test_unsafe_schema_never_reaches_sql(schema: str) -> None:
+    with pytest.raises(errors.ConfigError):
+        sql.load(schema)
