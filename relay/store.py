@@ -34,7 +34,7 @@ class PgStore:
         relay_name: str,
         *,
         connect_timeout: float = 10.0,
-        max_size: int = 4,
+        max_size: int = 2,
     ) -> PgStore:
         """Open a pool and check the schema exists. Raises DatabaseUnavailable or SchemaMissing."""
         config.check_identifier(schema)

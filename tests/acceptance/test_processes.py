@@ -78,11 +78,16 @@ async def test_two_relays_share_5000_messages_without_duplicates(
     assert "stopped cleanly" in second.output
 
 
-async def test_sigterm_finishes_the_batch_in_flight_and_exits_zero(
+async def test_sigterm_stops_claiming_settles_the_batch_in_flight_and_exits_zero(
     database_url: str, amqp_url: str, broker: Broker
 ) -> None:
     await broker.declare()
-    await asyncio.to_thread(enqueue_many, database_url, broker.exchange, 3000)
+    with psycopg.connect(database_url) as conn:
+        conn.execute(
+            "SELECT outbox.enqueue(%s, 'k', 'body'::bytea) FROM generate_series(1, 10000)",
+            [broker.exchange],
+        )
+        conn.commit()
     env = relay_env(database_url, amqp_url, OUTBOX_BATCH_SIZE="500")
     with RelayProcess(env) as proc:
         proc.wait_for("ready")
@@ -91,6 +96,8 @@ async def test_sigterm_finishes_the_batch_in_flight_and_exits_zero(
             message="the first batch",
         )
         assert proc.stop() == 0, proc.output
+    archived = scalar(database_url, "SELECT count(*) FROM outbox.archive")
+    assert 0 < archived < 10000, "it stopped claiming with most of the backlog left"
     # Whatever it had claimed, it settled: nothing stays leased to a relay that is gone.
     assert (
         scalar(
@@ -100,7 +107,6 @@ async def test_sigterm_finishes_the_batch_in_flight_and_exits_zero(
         )
         == 0
     )
-    archived = scalar(database_url, "SELECT count(*) FROM outbox.archive")
     got = await broker.collect(archived, settle=0.3)
     assert len(got) == archived
 
