@@ -31,6 +31,7 @@ def options(settings: config.Settings) -> loop.Options:
         max_ambiguous=settings.max_ambiguous,
         retry_delay=settings.retry_delay,
         retry_max_delay=settings.retry_max_delay,
+        shutdown_grace=settings.shutdown_timeout,
     )
 
 
@@ -99,17 +100,11 @@ async def run(
 ) -> model.CycleReport | None:
     """Run one relay until SIGINT/SIGTERM (or `stop`), or until no row is due with `until_empty`.
 
-    On a stop signal it claims nothing more, waits up to `shutdown_timeout` for the batch in flight
-    to be confirmed and settled, and returns; a second signal cancels at once (rows then keep their
-    leases until they expire, and are published again by whichever relay claims them next)."""
+    On a stop signal it claims nothing more, gives the batch in flight up to `shutdown_timeout` for
+    its confirms, settles it (what is still unconfirmed goes back to the queue at once, for any
+    replica), and returns. A second signal cancels outright: rows then keep their leases until they
+    run out, and are published again by whichever relay claims them next."""
     stop = stop or asyncio.Event()
-    if settings.lease < 2 * settings.confirm_timeout:
-        log.warning(
-            "OUTBOX_LEASE (%gs) is under twice OUTBOX_CONFIRM_TIMEOUT (%gs): a slow broker can "
-            "outlast a lease, and another relay may then publish the same rows again",
-            settings.lease,
-            settings.confirm_timeout,
-        )
     async with components(settings) as parts:
         log.info(
             "relay %s ready: schema=%s batch_size=%d lease=%gs",
@@ -133,6 +128,10 @@ async def run(
     return None
 
 
+#: After the grace for confirms, how long the final settle may take (it retries through outages).
+SETTLE_MARGIN = 10.0
+
+
 async def _until_stopped(work: asyncio.Task[None], stop: asyncio.Event, grace: float) -> None:
     stopping = asyncio.create_task(stop.wait())
     try:
@@ -142,10 +141,10 @@ async def _until_stopped(work: asyncio.Task[None], stop: asyncio.Event, grace: f
     if not work.done():
         log.info("stopping: no new claims; finishing the batch in flight (up to %gs)", grace)
         try:
-            await asyncio.wait_for(work, grace)
+            await asyncio.wait_for(work, grace + SETTLE_MARGIN)
         except TimeoutError:
             raise errors.RelayError(
-                f"the batch in flight did not settle within {grace:g}s; "
+                f"the batch in flight could not be settled within {grace + SETTLE_MARGIN:g}s; "
                 "its rows return to the queue when their lease ends"
             ) from None
         except asyncio.CancelledError:

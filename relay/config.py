@@ -90,9 +90,10 @@ class Settings(BaseSettings):
         1.0, gt=0, description="Longest wait between claims when no NOTIFY arrives (seconds)."
     )
     lease: Duration = Field(
-        30.0,
+        10.0,
         gt=0,
-        description="How long a claim holds its rows before another relay may take them (seconds).",
+        description="How long a claim holds its rows unless renewed; a dead relay's rows return "
+        "after it (seconds). Renewed every third of it while a batch is in flight.",
     )
     confirm_timeout: Duration = Field(
         10.0, gt=0, description="How long a batch waits for publisher confirms (seconds)."
@@ -113,7 +114,8 @@ class Settings(BaseSettings):
     shutdown_timeout: Duration = Field(
         30.0,
         gt=0,
-        description="On SIGTERM, how long to wait for outstanding confirms and settles (seconds).",
+        description="On SIGTERM, how long the batch in flight may wait for its confirms before the "
+        "rest is given back to other relays (seconds).",
     )
     startup_timeout: Duration = Field(
         15.0,

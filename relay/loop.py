@@ -7,14 +7,16 @@ import collections
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from uuid import UUID
 
 import tenacity
 
-from relay import model, ports, retry
+from relay import errors, model, ports, retry
 
 log = logging.getLogger(__name__)
+
+Outcome = model.Outcome
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -22,13 +24,19 @@ class Options:
     """The knobs the loop reads (built from config.Settings by the composition root)."""
 
     batch_size: int = 500
-    lease: float = 30.0
+    lease: float = 10.0
     poll_interval: float = 1.0
     max_attempts: int = 10
     max_ambiguous: int = 5
     retry_delay: float = 1.0
     retry_max_delay: float = 300.0
     reconnect_max_delay: float = 30.0
+    shutdown_grace: float = 30.0
+
+    @property
+    def heartbeat(self) -> float:
+        """How often a batch in flight renews its lease: three chances before it runs out."""
+        return self.lease / 3
 
 
 def plan(
@@ -36,6 +44,8 @@ def plan(
     results: Sequence[model.PublishResult],
     exhausted: Sequence[model.OutboxMessage],
     options: Options,
+    *,
+    stopping: bool = False,
 ) -> model.Settlement:
     """Map each message's outcome to its row transition. Pure: the policy lives here, only here."""
     archive: list[int] = []
@@ -43,24 +53,24 @@ def plan(
     retries: list[model.Retry] = []
     for message, result in zip(published, results, strict=True):
         match result.outcome:
-            case model.Outcome.ACKED:
+            case Outcome.ACKED:
                 archive.append(message.id)
-            case model.Outcome.RETURNED:
-                dead.append(
-                    model.DeadLetter(message.id, model.DeadReason.UNROUTABLE, result.detail)
-                )
-            case model.Outcome.NO_EXCHANGE:
-                dead.append(
-                    model.DeadLetter(message.id, model.DeadReason.NO_EXCHANGE, result.detail)
-                )
-            case model.Outcome.INVALID:
-                dead.append(model.DeadLetter(message.id, model.DeadReason.INVALID, result.detail))
-            case model.Outcome.AMBIGUOUS if message.ambiguous < options.max_ambiguous:
-                # It may have arrived: send it again soon, without spending one of its attempts.
+            case Outcome.RETURNED:
+                dead.append(_dead(message, model.DeadReason.UNROUTABLE, result))
+            case Outcome.NO_EXCHANGE:
+                dead.append(_dead(message, model.DeadReason.NO_EXCHANGE, result))
+            case Outcome.INVALID:
+                dead.append(_dead(message, model.DeadReason.INVALID, result))
+            case Outcome.REJECTED:
+                dead.append(_dead(message, result.reason or model.DeadReason.REJECTED, result))
+            case Outcome.AMBIGUOUS if message.ambiguous < options.max_ambiguous:
+                # It may have arrived: send it again soon, without spending one of its attempts
+                # (at once if this relay is stopping, so another replica takes it).
+                delay = 0.0 if stopping else options.retry_delay
                 retries.append(
-                    model.Retry(message.id, options.retry_delay, result.detail, refund=True)
+                    model.Retry(message.id, delay, result.detail, refund=True, ambiguous=True)
                 )
-            case model.Outcome.NACKED | model.Outcome.AMBIGUOUS | model.Outcome.FAILED:
+            case Outcome.NACKED | Outcome.AMBIGUOUS | Outcome.FAILED:
                 if message.attempts >= options.max_attempts:
                     detail = f"attempt {message.attempts} {result.outcome.value}: {result.detail}"
                     dead.append(model.DeadLetter(message.id, model.DeadReason.MAX_ATTEMPTS, detail))
@@ -69,7 +79,19 @@ def plan(
                         message.attempts, options.retry_delay, options.retry_max_delay
                     )
                     retries.append(model.Retry(message.id, delay, result.detail))
-    return model.Settlement(tuple(archive), tuple(dead), tuple(retries))
+    resent = tuple(m.id for m, r in zip(published, results, strict=True) if r.resent)
+    return model.Settlement(tuple(archive), tuple(dead), tuple(retries), resent)
+
+
+def release(batch: Sequence[model.OutboxMessage], why: str) -> model.Settlement:
+    """Give claimed rows back untried (attempt refunded), due at once for any replica."""
+    return model.Settlement(retry=tuple(model.Retry(m.id, 0.0, why, refund=True) for m in batch))
+
+
+def _dead(
+    message: model.OutboxMessage, reason: model.DeadReason, result: model.PublishResult
+) -> model.DeadLetter:
+    return model.DeadLetter(message.id, reason, result.detail)
 
 
 def _exhausted(message: model.OutboxMessage) -> model.DeadLetter:
@@ -95,22 +117,28 @@ class Relay:
         self._options = options
         self.wake = wake or asyncio.Event()
         self._on_cycle = on_cycle
+        self._stopping = asyncio.Event()  # claim nothing more; give back what is not yet sent
+        self._abort = asyncio.Event()  # the shutdown grace is over: stop waiting for confirms
 
     async def run_once(self) -> model.CycleReport:
-        """Claim one batch, publish it, settle it. Raises errors.TransientError if a service is down
-        before anything was claimed; once rows are claimed, it settles them before returning."""
+        """One cycle: bury orphans that used up their attempts, publish a batch of due rows, then
+        the orphans one at a time (a row that kills its relay must not take a batch with it).
+        Raises errors.TransientError if a service is down before anything was claimed; once rows
+        are claimed, it settles them before returning."""
         await self._publisher.connect()  # never lease rows we could not publish
-        claim = await self._store.claim(self._options.batch_size, self._options.lease)
-        if not claim.messages:
-            return model.CycleReport()
-        batch = sorted(claim.messages, key=lambda m: m.id)
-        exhausted = [m for m in batch if m.attempts > self._options.max_attempts]
-        to_send = [m for m in batch if m.attempts <= self._options.max_attempts]
-        results = await self._publisher.publish(to_send) if to_send else []
-        settlement = plan(to_send, results, exhausted, self._options)
-        counts = await self._settle(claim.claim_id, settlement)
-        report = _report(claim, results, settlement, counts)
-        _log_transitions(batch, settlement)
+        if self._publisher.blocked:
+            return model.CycleReport(blocked=True)
+        report = await self._bury()
+        report = report.combine(
+            await self._work(await self._store.claim(self._options.batch_size, self._options.lease))
+        )
+        for _ in range(self._options.batch_size):
+            if self._stopping.is_set() or self._publisher.blocked:
+                break
+            orphan = await self._store.claim_orphans(1, self._options.lease)
+            if not orphan.messages:
+                break
+            report = report.combine(await self._work(orphan))
         if self._on_cycle is not None:
             self._on_cycle(report)
         return report
@@ -118,20 +146,46 @@ class Relay:
     async def run_until_empty(self) -> model.CycleReport:
         """Cycle until a claim finds no due rows; return the sum of the cycles' reports."""
         total = model.CycleReport()
-        while (report := await self.run_once()).claimed:
+        while (report := await self.run_once()).claimed or report.buried:
             total = total.combine(report)
         return total
 
     async def run(self, stop: asyncio.Event) -> None:
         """Cycle until `stop` is set: back-to-back while batches come back full (which sweeps any
-        backlog at start-up), otherwise waiting for a NOTIFY (`wake`) or the poll interval.
-        Outages are retried with back-off; any other error propagates."""
-        while not stop.is_set():
-            self.wake.clear()
-            report = await self._cycle(stop)
-            if report is None or report.claimed >= self._options.batch_size:
-                continue
-            await _wait_any((self.wake, stop), self._options.poll_interval)
+        backlog at start-up), otherwise waiting for a NOTIFY (`wake`) or the poll interval; while
+        the broker blocks publishing, waiting for it to unblock. Once `stop` is set, nothing more is
+        claimed and the batch in flight gets `shutdown_grace` seconds for its confirms before what
+        is unconfirmed is given back. Outages are retried with back-off; other errors propagate."""
+        grace = asyncio.create_task(self._abort_after_grace(stop))
+        try:
+            while not stop.is_set():
+                self.wake.clear()
+                report = await self._cycle(stop)
+                if report is None or report.claimed >= self._options.batch_size:
+                    continue
+                if report.blocked:
+                    await self._wait_unblocked(stop)
+                    continue
+                await _wait_any((self.wake, stop), self._options.poll_interval)
+        finally:
+            grace.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await grace
+
+    async def _abort_after_grace(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        self._stopping.set()
+        await asyncio.sleep(self._options.shutdown_grace)
+        log.warning("no confirms after %gs of grace: giving unconfirmed rows back",
+                    self._options.shutdown_grace)  # fmt: skip
+        self._abort.set()
+
+    async def _wait_unblocked(self, stop: asyncio.Event) -> None:
+        log.warning("RabbitMQ is blocking publishes (a memory or disk alarm): "
+                    "claiming nothing until it lifts")  # fmt: skip
+        await _wait_any_of((self._publisher.until_unblocked(), stop.wait()), None)
+        if not stop.is_set():
+            log.info("RabbitMQ accepts publishes again")
 
     async def _cycle(self, stop: asyncio.Event) -> model.CycleReport | None:
         retrying = tenacity.AsyncRetrying(
@@ -147,6 +201,63 @@ class Relay:
                     return None
                 return await self.run_once()
         return None  # pragma: no cover  # tenacity either returns or re-raises
+
+    async def _bury(self) -> model.CycleReport:
+        buried = await self._store.bury_exhausted(self._options.max_attempts)
+        for message_id, attempts in buried:
+            log.warning(
+                "dead-lettered message_id=%s attempt=%d reason=max_attempts "
+                "detail=never settled, its relays kept dying (moved to dead unread)",
+                message_id, attempts,
+            )  # fmt: skip
+        if not buried:
+            return model.CycleReport()
+        return model.CycleReport(
+            buried=len(buried), dead={model.DeadReason.MAX_ATTEMPTS: len(buried)}
+        )
+
+    async def _work(self, claim: model.Claim) -> model.CycleReport:
+        """Publish one claim's rows and settle them."""
+        if not claim.messages:
+            return model.CycleReport()
+        batch = sorted(claim.messages, key=lambda m: m.id)
+        if self._stopping.is_set():
+            settlement, results = release(batch, "released unsent: the relay was stopping"), []
+        else:
+            exhausted = [m for m in batch if m.attempts > self._options.max_attempts]
+            to_send = [m for m in batch if m.attempts <= self._options.max_attempts]
+            async with self._heartbeat(claim.claim_id, [m.id for m in to_send]):
+                results = await self._publisher.publish(to_send, self._abort) if to_send else []
+            settlement = plan(to_send, results, exhausted, self._options,
+                              stopping=self._stopping.is_set())  # fmt: skip
+        counts = await self._settle(claim.claim_id, settlement)
+        _log_transitions(batch, settlement, counts)
+        return _report(claim, results, settlement, counts)
+
+    @contextlib.asynccontextmanager
+    async def _heartbeat(self, claim_id: UUID, ids: Sequence[int]) -> AsyncIterator[None]:
+        """Renew the batch's lease while it is being published, so a slow broker cannot make its
+        rows look abandoned; a relay that dies stops renewing, and its rows come back quickly."""
+        beating = asyncio.create_task(self._beat(claim_id, ids))
+        try:
+            yield
+        finally:
+            beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beating
+
+    async def _beat(self, claim_id: UUID, ids: Sequence[int]) -> None:
+        while True:
+            await asyncio.sleep(self._options.heartbeat)
+            try:
+                kept = await self._store.extend(claim_id, ids, self._options.lease)
+            except errors.TransientError as exc:
+                log.warning("could not renew a lease (%s); if it runs out, another relay may "
+                            "publish the rows too", exc)  # fmt: skip
+                continue
+            if kept < len(ids):
+                log.warning("%d of %d rows in flight were re-claimed by another relay after their "
+                            "lease ran out", len(ids) - kept, len(ids))  # fmt: skip
 
     async def _settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:
         # The broker has spoken; forgetting what it said would re-send the batch after the lease.
@@ -177,7 +288,9 @@ def _report(
     )
 
 
-def _log_transitions(batch: Sequence[model.OutboxMessage], settlement: model.Settlement) -> None:
+def _log_transitions(
+    batch: Sequence[model.OutboxMessage], settlement: model.Settlement, counts: model.SettleCounts
+) -> None:
     """Each dead letter is an event of its own; retries are summed up per batch (per message at
     DEBUG), so an outage that re-sends a whole batch writes one line, not five hundred."""
     by_id = {m.id: m for m in batch}
@@ -185,31 +298,24 @@ def _log_transitions(batch: Sequence[model.OutboxMessage], settlement: model.Set
         message = by_id[dead.id]
         log.warning(
             "dead-lettered message_id=%s attempt=%d reason=%s detail=%s",
-            message.message_id,
-            message.attempts,
-            dead.reason.value,
-            dead.detail,
-        )
+            message.message_id, message.attempts, dead.reason.value, dead.detail,
+        )  # fmt: skip
+    if counts.fenced:
+        log.warning("%d rows had been re-claimed by another relay: their settle was skipped",
+                    counts.fenced)  # fmt: skip
     if not settlement.retry:
         return
     refunded = sum(r.refund for r in settlement.retry)
     log.info(
-        "retrying %d of %d messages (%d with unknown outcome, attempt not counted): %s",
-        len(settlement.retry),
-        len(batch),
-        refunded,
-        settlement.retry[0].error,
-    )
+        "retrying %d of %d messages (%d not counted as attempts): %s",
+        len(settlement.retry), len(batch), refunded, settlement.retry[0].error,
+    )  # fmt: skip
     for again in settlement.retry:
         message = by_id[again.id]
         log.debug(
             "retrying message_id=%s attempt=%d in=%.2fs refund=%s error=%s",
-            message.message_id,
-            message.attempts,
-            again.delay,
-            again.refund,
-            again.error,
-        )
+            message.message_id, message.attempts, again.delay, again.refund, again.error,
+        )  # fmt: skip
 
 
 def _log_outage(state: tenacity.RetryCallState) -> None:
@@ -218,9 +324,13 @@ def _log_outage(state: tenacity.RetryCallState) -> None:
     log.warning("%s; retrying in %.1fs (attempt %d)", exc, wait, state.attempt_number)
 
 
-async def _wait_any(events: Sequence[asyncio.Event], seconds: float) -> None:
+async def _wait_any(events: Sequence[asyncio.Event], seconds: float | None) -> None:
     """Return when any event is set or after `seconds`, whichever is first."""
-    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    await _wait_any_of([e.wait() for e in events], seconds)
+
+
+async def _wait_any_of(awaitables: Sequence[Awaitable[object]], seconds: float | None) -> None:
+    waiters = [asyncio.ensure_future(a) for a in awaitables]
     try:
         await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
     finally:

@@ -49,6 +49,8 @@ class OutboxMessage:
     attempts: int
     ambiguous: int = 0
     last_error: str | None = None
+    #: Why the stored row cannot be read back as a message (then it is dead-lettered unpublished).
+    invalid: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -67,26 +69,33 @@ class Outcome(enum.Enum):
     NACKED = "nacked"  # the broker refused it (e.g. a queue that rejects publishes)
     NO_EXCHANGE = "no_exchange"  # the exchange does not exist
     INVALID = "invalid"  # the row cannot be encoded as an AMQP message
+    REJECTED = "rejected"  # the broker closed the channel over this message (reason says why)
     AMBIGUOUS = "ambiguous"  # sent or maybe sent, but no confirm arrived: it may have arrived
     FAILED = "failed"  # publishing raised an error nobody expected: a bug, or a poison row
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PublishResult:
-    """The outcome of publishing one message, with a human-readable detail."""
+    """The outcome of publishing one message, with a human-readable detail. `reason` names a
+    REJECTED message's fault; `resent` says it was written twice in this claim (after a channel
+    error cut its first send short), which the settle records as an ambiguous re-send."""
 
     outcome: Outcome
     detail: str = ""
+    reason: DeadReason | None = None
+    resent: bool = False
 
 
 class DeadReason(enum.StrEnum):
     """The machine word stored in `dead.reason`."""
 
-    UNROUTABLE = "unroutable"
-    NO_EXCHANGE = "no_exchange"
-    MAX_ATTEMPTS = "max_attempts"
-    INVALID = "invalid"
-    REJECTED = "rejected"
+    UNROUTABLE = "unroutable"  # returned: no queue is bound for its routing key
+    NO_EXCHANGE = "no_exchange"  # its exchange does not exist
+    ACCESS_REFUSED = "access_refused"  # the relay's user may not publish to its exchange
+    TOO_LARGE = "too_large"  # larger than the broker's max_message_size
+    REJECTED = "rejected"  # the broker closed the channel over it for another reason
+    INVALID = "invalid"  # the row cannot be read or encoded as an AMQP message
+    MAX_ATTEMPTS = "max_attempts"  # attempts exhausted (nacks, errors, or relays dying on it)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -98,12 +107,14 @@ class DeadLetter:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Retry:
-    """Put a row back for a later attempt. `refund` gives back the attempt its claim counted."""
+    """Put a row back for a later attempt. `refund` gives back the attempt its claim counted;
+    `ambiguous` counts the claim as a send whose outcome is unknown (it may have arrived)."""
 
     id: int
     delay: float
     error: str
     refund: bool = False
+    ambiguous: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -113,6 +124,8 @@ class Settlement:
     archive: tuple[int, ...] = ()
     dead: tuple[DeadLetter, ...] = ()
     retry: tuple[Retry, ...] = ()
+    #: Rows written twice in this claim; each gets one more ambiguous send on record.
+    resent: tuple[int, ...] = ()
 
     @property
     def size(self) -> int:
@@ -137,6 +150,10 @@ class CycleReport:
     outcomes: Mapping[Outcome, int] = dataclasses.field(default_factory=dict)
     dead: Mapping[DeadReason, int] = dataclasses.field(default_factory=dict)
     settled: SettleCounts = dataclasses.field(default_factory=SettleCounts)
+    #: Rows whose relays kept dying on them, moved to dead without being read.
+    buried: int = 0
+    #: The broker refused publishing (a memory or disk alarm), so nothing was claimed.
+    blocked: bool = False
 
     def combine(self, other: CycleReport) -> CycleReport:
         """The sum of two reports (for runs of several cycles)."""
@@ -147,6 +164,8 @@ class CycleReport:
             settled=SettleCounts(
                 *(a + b for a, b in zip(_fields(self.settled), _fields(other.settled), strict=True))
             ),
+            buried=self.buried + other.buried,
+            blocked=self.blocked or other.blocked,
         )
 
 

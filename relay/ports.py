@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Protocol
 from uuid import UUID
@@ -13,7 +14,20 @@ class Store(Protocol):
     """Where outbox rows live. Raises errors.DatabaseUnavailable if the database is unreachable."""
 
     async def claim(self, limit: int, lease: float) -> model.Claim:
-        """Lease up to `limit` due rows for `lease` seconds, counting one attempt on each."""
+        """Lease up to `limit` due unclaimed rows for `lease` seconds, counting an attempt each."""
+        ...
+
+    async def claim_orphans(self, limit: int, lease: float) -> model.Claim:
+        """The same for orphans: rows whose lease ran out without a settle (their relay died)."""
+        ...
+
+    async def bury_exhausted(self, max_attempts: int) -> list[tuple[UUID, int]]:
+        """Move orphans with `max_attempts` claims to dead without reading them; return each one's
+        message_id and attempts."""
+        ...
+
+    async def extend(self, claim_id: UUID, ids: Sequence[int], lease: float) -> int:
+        """Push the lease of rows still under `claim_id` to `lease` seconds from now; how many."""
         ...
 
     async def settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:
@@ -32,9 +46,21 @@ class Publisher(Protocol):
         """Make sure a connection and channels are open; cheap when they already are."""
         ...
 
-    async def publish(self, messages: Sequence[model.OutboxMessage]) -> list[model.PublishResult]:
+    @property
+    def blocked(self) -> bool:
+        """True while the broker refuses to accept publishes (a memory or disk alarm)."""
+        ...
+
+    async def until_unblocked(self) -> None:
+        """Return once the broker accepts publishes again (or the connection is gone)."""
+        ...
+
+    async def publish(
+        self, messages: Sequence[model.OutboxMessage], abort: asyncio.Event | None = None
+    ) -> list[model.PublishResult]:
         """Publish all messages and return one result per message, in order. Never raises for a
-        per-message failure: a lost connection makes the unconfirmed messages AMBIGUOUS."""
+        per-message failure: a lost connection makes the unconfirmed messages AMBIGUOUS. Setting
+        `abort` stops waiting for confirms; what is still unconfirmed comes back AMBIGUOUS."""
         ...
 
     async def close(self) -> None: ...

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import re
 import struct
 import time
 from collections.abc import Mapping, Sequence
@@ -22,17 +24,13 @@ from relay import errors, model
 
 log = logging.getLogger(__name__)
 
+Outcome = model.Outcome
+Reason = model.DeadReason
+
 #: How long an exchange seen to exist is trusted before it is checked again.
 EXCHANGE_TTL = 30.0
-_STRING_PROPERTIES = (
-    "content_type",
-    "content_encoding",
-    "correlation_id",
-    "reply_to",
-    "type",
-    "user_id",
-    "app_id",
-)
+_STRING_PROPERTIES = ("content_type", "content_encoding", "correlation_id", "reply_to", "type",
+                      "user_id", "app_id")  # fmt: skip
 _ENCODING_ERRORS = (TypeError, ValueError, OverflowError, RecursionError, struct.error)
 #: The broker or the network failing (as opposed to our code).
 _BROKER_ERRORS = (
@@ -44,6 +42,10 @@ _BROKER_ERRORS = (
 )
 #: Errors after which a message may or may not have reached the broker.
 _CONNECTION_ERRORS = (*_BROKER_ERRORS, asyncio.CancelledError)
+_NAMED_EXCHANGE = re.compile(r"exchange '((?:[^'\\]|\\.)*)'")
+_SIZE_LIMIT = re.compile(r"message size \d+ is larger than configured max size (\d+)")
+
+Results = dict[int, model.PublishResult]
 
 
 class InvalidRow(ValueError):
@@ -52,9 +54,13 @@ class InvalidRow(ValueError):
 
 class AmqpPublisher:
     """ports.Publisher on RabbitMQ. One connection with two channels: a confirm channel that
-    carries the batches, and a probe channel for passive exchange checks. The probe exists because
-    a publish to a missing exchange closes its channel, failing every unconfirmed message on it;
-    checking first keeps the innocent messages of a batch out of that blast radius."""
+    carries the batches, and a probe channel for passive exchange checks.
+
+    A message the broker refuses by closing the channel (missing exchange, no write permission,
+    over max_message_size, a malformed CC header…) fails every unconfirmed message on that channel.
+    So the probe checks exchanges first; and when a channel error happens anyway, the culprits are
+    named from the broker's reply (or, when it names none, found by publishing the rest one at a
+    time), dead-lettered with a reason, and the innocent rest of the batch is sent again."""
 
     def __init__(
         self,
@@ -72,7 +78,9 @@ class AmqpPublisher:
         self._connection: aio_pika.abc.AbstractConnection | None = None
         self._channel: aiormq.abc.AbstractChannel | None = None
         self._probe: aio_pika.abc.AbstractChannel | None = None
+        self._unblocked: asyncio.Event | None = None
         self._frame_max = 131072
+        self._max_message_size: int | None = None  # learnt from the broker's refusals
         self._exchanges_seen: dict[str, float] = {}
 
     @property
@@ -83,6 +91,16 @@ class AmqpPublisher:
             and self._channel is not None
             and not self._channel.is_closed
         )
+
+    @property
+    def blocked(self) -> bool:
+        return self.connected and self._unblocked is not None and not self._unblocked.is_set()
+
+    async def until_unblocked(self) -> None:
+        while self.blocked:
+            assert self._unblocked is not None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._unblocked.wait(), 1.0)  # re-check the connection
 
     async def connect(self) -> None:
         """Open the connection and channels unless they are open. Raises BrokerUnavailable."""
@@ -95,9 +113,13 @@ class AmqpPublisher:
             self._channel = await channel.get_underlay_channel()
             self._connection = connection
             self._frame_max = _frame_max(connection)
+            self._unblocked = _unblocked_event(connection)
         except (*_CONNECTION_ERRORS, RuntimeError) as exc:
             await self.close()
             raise errors.BrokerUnavailable(f"RabbitMQ unavailable: {_describe(exc)}") from exc
+        if self._unblocked is None:
+            log.warning("cannot see connection.blocked on this aiormq version; "
+                        "a broker alarm will show up as confirm timeouts")  # fmt: skip
         log.info("connected to RabbitMQ (frame_max=%d)", self._frame_max)
 
     async def close(self) -> None:
@@ -107,57 +129,152 @@ class AmqpPublisher:
             with contextlib.suppress(*_CONNECTION_ERRORS, RuntimeError):
                 await connection.close()
 
-    async def publish(self, messages: Sequence[model.OutboxMessage]) -> list[model.PublishResult]:
-        results: dict[int, model.PublishResult] = {}
+    async def publish(
+        self, messages: Sequence[model.OutboxMessage], abort: asyncio.Event | None = None
+    ) -> list[model.PublishResult]:
+        results: Results = {}
         ready: dict[int, commands.Basic.Properties] = {}
         for i, message in enumerate(messages):
             try:
                 ready[i] = self._properties(message)
             except InvalidRow as exc:
-                results[i] = model.PublishResult(model.Outcome.INVALID, str(exc))
+                results[i] = model.PublishResult(Outcome.INVALID, str(exc))
         missing = await self._missing_exchanges({messages[i].exchange for i in ready})
-        for i in [i for i in ready if messages[i].exchange in missing]:
-            del ready[i]
-            results[i] = model.PublishResult(
-                model.Outcome.NO_EXCHANGE, f"no exchange '{messages[i].exchange}' on the broker"
-            )
-        results.update(await self._publish_confirmed(messages, ready))
+        for i in list(ready):
+            early = self._refused_before_sending(messages[i], missing)
+            if early is not None:
+                results[i] = early
+                del ready[i]
+        results.update(await self._publish_in_rounds(messages, ready, abort or asyncio.Event()))
         return [results[i] for i in range(len(messages))]
 
-    async def _publish_confirmed(
+    def _refused_before_sending(
+        self, message: model.OutboxMessage, missing: set[str]
+    ) -> model.PublishResult | None:
+        if message.exchange in missing:
+            return model.PublishResult(
+                Outcome.NO_EXCHANGE, f"no exchange '{message.exchange}' on the broker"
+            )
+        if self._max_message_size is not None and len(message.body) > self._max_message_size:
+            return _rejected(
+                Reason.TOO_LARGE,
+                f"{len(message.body)} bytes; the broker's max_message_size is "
+                f"{self._max_message_size}",
+            )
+        return None
+
+    async def _publish_in_rounds(
         self,
         messages: Sequence[model.OutboxMessage],
         ready: Mapping[int, commands.Basic.Properties],
-    ) -> dict[int, model.PublishResult]:
+        abort: asyncio.Event,
+    ) -> Results:
+        """Round 1 publishes everything pipelined. After a channel error, the broker's reply names
+        the culprits if it can, and the rest go again pipelined; if it cannot, or a second error
+        comes, the rest go one at a time, so each refusal names its own message."""
+        final: Results = {}
+        todo = dict(ready)
+        resent: set[int] = set()
+        blamed: Results = {}
+        for round_ in range(3):
+            if not todo:
+                break
+            if round_:
+                try:
+                    await self.connect()
+                except errors.BrokerUnavailable as exc:
+                    final.update({i: _ambiguous(str(exc), i in resent) for i in todo})
+                    break
+            one_by_one = round_ == 2 or (round_ == 1 and not blamed)
+            if one_by_one:
+                got, error = await self._one_at_a_time(messages, todo, abort), None
+            else:
+                got, error = await self._pipelined(messages, todo, abort)
+            final.update({i: dataclasses.replace(r, resent=i in resent) for i, r in got.items()})
+            if error is None or abort.is_set():
+                break
+            unconfirmed = [i for i, r in got.items() if r.outcome is Outcome.AMBIGUOUS]
+            blamed = self._blame(error, messages, unconfirmed)
+            log.warning("the broker closed the publish channel (%s); %d culprit(s) named, "
+                        "re-sending %d", _describe(error), len(blamed),
+                        len(unconfirmed) - len(blamed))  # fmt: skip
+            final.update(blamed)
+            todo = {i: ready[i] for i in unconfirmed if i not in blamed}
+            resent |= set(todo)
+        return final
+
+    async def _pipelined(
+        self,
+        messages: Sequence[model.OutboxMessage],
+        todo: Mapping[int, commands.Basic.Properties],
+        abort: asyncio.Event,
+    ) -> tuple[Results, aiormq.exceptions.ChannelClosed | None]:
+        """Publish all of `todo` at once and wait for the confirms (or the timeout, or `abort`).
+        Also returns the channel error, if the broker closed the channel."""
         channel = self._channel
         if channel is None or channel.is_closed:
-            return {i: _ambiguous("the channel closed before publishing") for i in ready}
-        tasks = {
-            i: asyncio.ensure_future(
-                channel.basic_publish(
-                    messages[i].body,
-                    exchange=messages[i].exchange,
-                    routing_key=messages[i].routing_key,
-                    properties=properties,
-                    mandatory=True,
-                )
-            )
-            for i, properties in ready.items()
-        }
-        if tasks:
-            _, pending = await asyncio.wait(tasks.values(), timeout=self._confirm_timeout)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-        results = {
-            i: _outcome(task, messages[i], self._confirm_timeout) for i, task in tasks.items()
-        }
+            return {i: _ambiguous("the channel closed before publishing") for i in todo}, None
+        tasks = {i: asyncio.ensure_future(_send(channel, messages[i], p)) for i, p in todo.items()}
+        await _wait_all(list(tasks.values()), self._confirm_timeout, abort)
+        results = {i: _outcome(t, self._confirm_timeout, abort) for i, t in tasks.items()}
+        error = _channel_error(tasks.values())
         if not self.connected:
             # aiormq may still write queued frames on a channel the broker closed, which makes the
-            # broker close the whole connection; start the next batch on a fresh one instead.
-            log.warning("lost the publish channel: %s", _channel_error(tasks.values()))
+            # broker close the whole connection: start again on a fresh one.
+            log.warning("lost the publish channel: %s", _describe(error or _any_error(tasks)))
             await self.close()
+        return results, error
+
+    async def _one_at_a_time(
+        self,
+        messages: Sequence[model.OutboxMessage],
+        todo: Mapping[int, commands.Basic.Properties],
+        abort: asyncio.Event,
+    ) -> Results:
+        """Publish each message alone and wait for its confirm: whatever closes the channel now
+        can only be that message's doing."""
+        results: Results = {}
+        for i, properties in todo.items():
+            if abort.is_set():
+                results[i] = _ambiguous("the relay is stopping")
+                continue
+            try:
+                await self.connect()
+            except errors.BrokerUnavailable as exc:
+                results[i] = _ambiguous(str(exc))
+                continue
+            assert self._channel is not None
+            task = asyncio.ensure_future(_send(self._channel, messages[i], properties))
+            await _wait_all([task], self._confirm_timeout, abort)
+            error = _channel_error([task])
+            results[i] = _outcome(task, self._confirm_timeout, abort)
+            if error is not None:
+                results[i] = self._blame(error, messages, [i]).get(i) or _refusal(error)
+            if not self.connected:
+                await self.close()
         return results
+
+    def _blame(
+        self,
+        error: aiormq.exceptions.ChannelClosed,
+        messages: Sequence[model.OutboxMessage],
+        suspects: Sequence[int],
+    ) -> Results:
+        """The suspects the broker's reply points at, with their final outcome; {} when it names
+        no exchange and no size (then only publishing them one by one can tell)."""
+        text = str(error)
+        named = _NAMED_EXCHANGE.search(text)
+        size = _SIZE_LIMIT.search(text)
+        if size is not None:
+            self._max_message_size = int(size[1])
+            blamed = [i for i in suspects if len(messages[i].body) > self._max_message_size]
+        elif named is not None and isinstance(
+            error, aiormq.exceptions.ChannelNotFoundEntity | aiormq.exceptions.ChannelAccessRefused
+        ):
+            blamed = [i for i in suspects if messages[i].exchange == named[1]]
+        else:
+            blamed = []
+        return {i: _refusal(error) for i in blamed}
 
     async def _missing_exchanges(self, names: set[str]) -> set[str]:
         """Which of `names` do not exist, by passive declare (the default exchange always does).
@@ -195,6 +312,8 @@ class AmqpPublisher:
 
     def _properties(self, message: model.OutboxMessage) -> commands.Basic.Properties:
         """The AMQP properties for `message`, checked to encode exactly as stored."""
+        if message.invalid is not None:
+            raise InvalidRow(message.invalid)
         stored = dict(message.properties)
         unknown = set(stored) - model.SETTABLE_PROPERTIES
         if unknown:
@@ -241,41 +360,92 @@ class AmqpPublisher:
         return properties
 
 
+async def _send(
+    channel: aiormq.abc.AbstractChannel,
+    message: model.OutboxMessage,
+    properties: commands.Basic.Properties,
+) -> Any:
+    return await channel.basic_publish(
+        message.body,
+        exchange=message.exchange,
+        routing_key=message.routing_key,
+        properties=properties,
+        mandatory=True,
+    )
+
+
+async def _wait_all(tasks: list[asyncio.Future[Any]], seconds: float, abort: asyncio.Event) -> None:
+    """Wait until every task is done, `seconds` pass or `abort` is set; cancel the stragglers."""
+    everything = asyncio.ensure_future(asyncio.wait(tasks))
+    aborted = asyncio.ensure_future(abort.wait())
+    try:
+        await asyncio.wait({everything, aborted}, timeout=seconds,
+                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+    finally:
+        everything.cancel()
+        aborted.cancel()
+    pending = [t for t in tasks if not t.done()]
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+
+
 def _outcome(
-    task: asyncio.Future[Any], message: model.OutboxMessage, timeout: float
+    task: asyncio.Future[Any], timeout: float, abort: asyncio.Event
 ) -> model.PublishResult:
     if task.cancelled():
-        return _ambiguous(f"no confirm within {timeout:g}s")
+        why = "the relay is stopping" if abort.is_set() else f"no confirm within {timeout:g}s"
+        return _ambiguous(why)
     exc = task.exception()
     if exc is None:
-        return model.PublishResult(model.Outcome.ACKED)
+        return model.PublishResult(Outcome.ACKED)
     if isinstance(exc, aiormq.exceptions.PublishError):
         returned = getattr(exc.message, "delivery", None)
         return model.PublishResult(
-            model.Outcome.RETURNED,
+            Outcome.RETURNED,
             f"returned by the broker: {getattr(returned, 'reply_code', '?')} "
             f"{getattr(returned, 'reply_text', '?')}",
         )
     if isinstance(exc, aiormq.exceptions.DeliveryError):
-        return model.PublishResult(model.Outcome.NACKED, "the broker nacked the message")
-    if isinstance(exc, aiormq.exceptions.ChannelNotFoundEntity) and (
-        f"no exchange '{message.exchange}'" in str(exc)
-    ):
-        return model.PublishResult(model.Outcome.NO_EXCHANGE, _describe(exc))
+        return model.PublishResult(Outcome.NACKED, "the broker nacked the message")
     if isinstance(exc, _CONNECTION_ERRORS):
         return _ambiguous(f"connection or channel lost before the confirm: {_describe(exc)}")
-    return model.PublishResult(model.Outcome.FAILED, f"unexpected error: {_describe(exc)}")
+    return model.PublishResult(Outcome.FAILED, f"unexpected error: {_describe(exc)}")
 
 
-def _ambiguous(detail: str) -> model.PublishResult:
-    return model.PublishResult(model.Outcome.AMBIGUOUS, detail)
+def _refusal(error: aiormq.exceptions.ChannelClosed) -> model.PublishResult:
+    """The final outcome of a message the broker closed the channel over."""
+    text = _describe(error)
+    if isinstance(error, aiormq.exceptions.ChannelNotFoundEntity) and "no exchange" in str(error):
+        return model.PublishResult(Outcome.NO_EXCHANGE, text)
+    if isinstance(error, aiormq.exceptions.ChannelAccessRefused):
+        return _rejected(Reason.ACCESS_REFUSED, text)
+    if _SIZE_LIMIT.search(str(error)):
+        return _rejected(Reason.TOO_LARGE, text)
+    return _rejected(Reason.REJECTED, text)
 
 
-def _channel_error(tasks: Any) -> str:
+def _rejected(reason: model.DeadReason, detail: str) -> model.PublishResult:
+    return model.PublishResult(Outcome.REJECTED, detail, reason=reason)
+
+
+def _ambiguous(detail: str, resent: bool = False) -> model.PublishResult:
+    return model.PublishResult(Outcome.AMBIGUOUS, detail, resent=resent)
+
+
+def _channel_error(tasks: Any) -> aiormq.exceptions.ChannelClosed | None:
+    """The broker's channel-close error among the tasks' failures, if it closed the channel."""
     for task in tasks:
+        if not task.cancelled() and isinstance(task.exception(), aiormq.exceptions.ChannelClosed):
+            return task.exception()  # type: ignore[no-any-return]
+    return None
+
+
+def _any_error(tasks: Mapping[int, asyncio.Future[Any]]) -> BaseException:
+    for task in tasks.values():
         if not task.cancelled() and task.exception() is not None:
-            return _describe(task.exception())
-    return "unknown reason"
+            return task.exception()  # type: ignore[return-value]
+    return RuntimeError("unknown reason")
 
 
 def _describe(exc: BaseException) -> str:
@@ -311,7 +481,17 @@ def _check_field_names(value: Any) -> None:
 
 
 def _frame_max(connection: aio_pika.abc.AbstractConnection) -> int:
-    transport = getattr(connection, "transport", None)
-    tune = getattr(getattr(transport, "connection", None), "connection_tune", None)
+    tune = getattr(_aiormq_connection(connection), "connection_tune", None)
     frame_max = getattr(tune, "frame_max", 0)
     return frame_max if isinstance(frame_max, int) and frame_max > 0 else 131072
+
+
+def _unblocked_event(connection: aio_pika.abc.AbstractConnection) -> asyncio.Event | None:
+    """aiormq tracks connection.blocked/unblocked in a private event and offers no public view of
+    it; we read it (None if a future aiormq moves it, and the relay says so at connect)."""
+    event = getattr(_aiormq_connection(connection), "_Connection__connection_unblocked", None)
+    return event if isinstance(event, asyncio.Event) else None
+
+
+def _aiormq_connection(connection: aio_pika.abc.AbstractConnection) -> Any:
+    return getattr(getattr(connection, "transport", None), "connection", None)

@@ -2,12 +2,14 @@
 -- and `{new_channel}` by the quoted NOTIFY channel; nothing else is ever spliced into these texts.
 
 -- name: claim_batch
--- Lease up to %(limit)s due rows under a new claim id, counting the attempt. SKIP LOCKED lets replicas
--- claim side by side; the lease is judged by the database clock (now()), never a relay's.
+-- Lease up to %(limit)s due, unclaimed rows under a new claim id, counting the attempt. SKIP LOCKED
+-- lets replicas claim side by side; leases are judged by the database clock, never a relay's.
+-- headers and properties come back as text: the relay decodes them row by row, so one row it cannot
+-- read is dead-lettered on its own instead of failing the whole claim.
 WITH due AS MATERIALIZED (
     SELECT id
     FROM {schema}.messages
-    WHERE available_at <= now()
+    WHERE claim_id IS NULL AND available_at <= now()
     ORDER BY available_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -20,8 +22,68 @@ SET attempts = m.attempts + 1,
     available_at = now() + make_interval(secs => %(lease)s)
 FROM due
 WHERE m.id = due.id
-RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.body, m.headers, m.properties,
-          m.ordering_key, m.created_at, m.attempts, m.ambiguous, m.last_error;
+RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.body, m.headers::text,
+          m.properties::text, m.ordering_key, m.created_at, m.attempts, m.ambiguous, m.last_error;
+
+-- name: claim_orphans
+-- The same for orphans: rows whose lease ran out without a settle because their relay died.
+-- The loop takes them one at a time, so a row that kills its relay can only take itself down.
+WITH due AS MATERIALIZED (
+    SELECT id
+    FROM {schema}.messages
+    WHERE claim_id IS NOT NULL AND available_at <= now()
+    ORDER BY available_at, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {schema}.messages AS m
+SET attempts = m.attempts + 1,
+    claim_id = %(claim_id)s,
+    claimed_by = %(claimed_by)s,
+    claimed_at = now(),
+    available_at = now() + make_interval(secs => %(lease)s)
+FROM due
+WHERE m.id = due.id
+RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.body, m.headers::text,
+          m.properties::text, m.ordering_key, m.created_at, m.attempts, m.ambiguous, m.last_error;
+
+-- name: bury_exhausted
+-- Orphans that used up their attempts go to dead here, in SQL: their body never reaches a relay,
+-- because reading it may be exactly what kills relays.
+WITH gone AS (
+    DELETE FROM {schema}.messages
+    WHERE id IN (
+        SELECT id
+        FROM {schema}.messages
+        WHERE claim_id IS NOT NULL AND available_at <= now() AND attempts >= %(max_attempts)s
+        ORDER BY available_at, id
+        LIMIT 100
+        FOR UPDATE SKIP LOCKED
+    )
+    RETURNING message_id, exchange, routing_key, body, headers, properties, ordering_key,
+              attempts, ambiguous, created_at, claimed_by, last_error
+)
+INSERT INTO {schema}.dead (message_id, exchange, routing_key, body, headers, properties,
+                           ordering_key, attempts, ambiguous, created_at, reason, detail)
+SELECT message_id, exchange, routing_key, body, headers, properties, ordering_key,
+       attempts, ambiguous, created_at, 'max_attempts',
+       format('claimed %%s times and never settled: the relays publishing it died or lost '
+              'their lease (last claimed by %%s; last error: %%s)',
+              attempts, coalesce(claimed_by, 'unknown'), coalesce(last_error, 'none'))
+FROM gone
+RETURNING message_id, attempts;
+
+-- name: extend_leases
+-- A heartbeat: push the lease of rows this claim still holds; rows re-claimed elsewhere are skipped.
+UPDATE {schema}.messages
+SET available_at = now() + make_interval(secs => %(lease)s)
+WHERE id = ANY(%(ids)s::bigint[]) AND claim_id = %(claim_id)s;
+
+-- name: mark_resent
+-- Rows this claim wrote twice (a channel error cut the first send short): one more ambiguous send.
+UPDATE {schema}.messages
+SET ambiguous = ambiguous + 1
+WHERE id = ANY(%(ids)s::bigint[]) AND claim_id = %(claim_id)s;
 
 -- name: archive_published
 -- Move confirmed rows to the archive. Rows whose claim_id changed (re-claimed elsewhere) are left alone.
@@ -29,12 +91,12 @@ WITH done AS (
     DELETE FROM {schema}.messages
     WHERE id = ANY(%(ids)s::bigint[]) AND claim_id = %(claim_id)s
     RETURNING message_id, exchange, routing_key, body, headers, properties, ordering_key,
-              attempts, created_at
+              attempts, ambiguous, created_at
 )
 INSERT INTO {schema}.archive (message_id, exchange, routing_key, body, headers, properties,
-                              ordering_key, attempts, created_at)
+                              ordering_key, attempts, ambiguous, created_at)
 SELECT message_id, exchange, routing_key, body, headers, properties, ordering_key,
-       attempts, created_at
+       attempts, ambiguous, created_at
 FROM done;
 
 -- name: dead_letter
@@ -47,27 +109,28 @@ WITH failed AS (
     USING failed AS f
     WHERE m.id = f.id AND m.claim_id = %(claim_id)s
     RETURNING m.message_id, m.exchange, m.routing_key, m.body, m.headers, m.properties,
-              m.ordering_key, m.attempts, m.created_at, f.reason, f.detail
+              m.ordering_key, m.attempts, m.ambiguous, m.created_at, f.reason, f.detail
 )
 INSERT INTO {schema}.dead (message_id, exchange, routing_key, body, headers, properties,
-                           ordering_key, attempts, created_at, reason, detail)
+                           ordering_key, attempts, ambiguous, created_at, reason, detail)
 SELECT message_id, exchange, routing_key, body, headers, properties, ordering_key,
-       attempts, created_at, reason, detail
+       attempts, ambiguous, created_at, reason, detail
 FROM gone;
 
 -- name: retry_later
 -- End the lease of rows to be tried again after a delay each. A refund gives back the attempt the
--- claim counted (the outcome was unknown, so it may have arrived), and counts it as ambiguous instead.
+-- claim counted (the row was not really tried: released at shutdown, or its outcome is unknown);
+-- an ambiguous one is also counted as a send that may have arrived.
 UPDATE {schema}.messages AS m
 SET available_at = now() + make_interval(secs => r.delay),
     attempts = m.attempts - r.refund::int,
-    ambiguous = m.ambiguous + r.refund::int,
+    ambiguous = m.ambiguous + r.ambiguous::int,
     claim_id = NULL,
     claimed_by = NULL,
     claimed_at = NULL,
     last_error = r.error
-FROM unnest(%(ids)s::bigint[], %(delays)s::float8[], %(errors)s::text[], %(refunds)s::bool[])
-     AS r(id, delay, error, refund)
+FROM unnest(%(ids)s::bigint[], %(delays)s::float8[], %(errors)s::text[], %(refunds)s::bool[],
+            %(ambiguous)s::bool[]) AS r(id, delay, error, refund, ambiguous)
 WHERE m.id = r.id AND m.claim_id = %(claim_id)s;
 
 -- name: message_stats

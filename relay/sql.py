@@ -18,6 +18,10 @@ class Queries:
     """One field per `-- name:` block in queries.sql; the loader fails if the two disagree."""
 
     claim_batch: LiteralString
+    claim_orphans: LiteralString
+    bury_exhausted: LiteralString
+    extend_leases: LiteralString
+    mark_resent: LiteralString
     archive_published: LiteralString
     dead_letter: LiteralString
     retry_later: LiteralString

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, LiteralString
 from uuid import UUID
 
 import psycopg
@@ -50,7 +51,8 @@ class PgStore:
             max_size=max_size,
             open=False,
             timeout=connect_timeout,
-            kwargs={"autocommit": True},
+            # The name lets operators (and the chaos suite) find the relay's sessions.
+            kwargs={"autocommit": True, "application_name": "outbox-relay"},
             name="outbox-relay",
         )
         try:
@@ -85,6 +87,12 @@ class PgStore:
         return version
 
     async def claim(self, limit: int, lease: float) -> model.Claim:
+        return await self._claim(self._q.claim_batch, limit, lease)
+
+    async def claim_orphans(self, limit: int, lease: float) -> model.Claim:
+        return await self._claim(self._q.claim_orphans, limit, lease)
+
+    async def _claim(self, query: LiteralString, limit: int, lease: float) -> model.Claim:
         claim_id = uuid.uuid4()
         params = {
             "limit": limit,
@@ -93,13 +101,28 @@ class PgStore:
             "claimed_by": self._relay_name,
         }
         async with self._connection() as conn:
-            cur = await conn.execute(self._q.claim_batch, params)
+            cur = await conn.execute(query, params)
             rows = await cur.fetchall()
         return model.Claim(claim_id, tuple(_message(row) for row in rows))
+
+    async def bury_exhausted(self, max_attempts: int) -> list[tuple[UUID, int]]:
+        async with self._connection() as conn:
+            cur = await conn.execute(self._q.bury_exhausted, {"max_attempts": max_attempts})
+            return [(UUID(str(m)), int(n)) for m, n in await cur.fetchall()]
+
+    async def extend(self, claim_id: UUID, ids: Sequence[int], lease: float) -> int:
+        params = {"claim_id": claim_id, "ids": list(ids), "lease": lease}
+        async with self._connection() as conn:
+            cur = await conn.execute(self._q.extend_leases, params)
+            return cur.rowcount
 
     async def settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:
         archived = dead = retried = 0
         async with self._connection() as conn, conn.transaction():
+            if settlement.resent:
+                await conn.execute(
+                    self._q.mark_resent, {"ids": list(settlement.resent), "claim_id": claim_id}
+                )
             if settlement.archive:
                 cur = await conn.execute(
                     self._q.archive_published,
@@ -142,20 +165,16 @@ async def _one(cur: psycopg.AsyncCursor[Any]) -> Any:
 
 
 def _message(row: Any) -> model.OutboxMessage:
-    (
-        id_,
-        message_id,
-        exchange,
-        routing_key,
-        body,
-        headers,
-        properties,
-        ordering_key,
-        created_at,
-        attempts,
-        ambiguous,
-        last_error,
-    ) = row
+    """A claimed row as a message. JSON that will not decode (a row edited by hand, nesting deeper
+    than Python's parser goes) marks this one message invalid instead of failing the claim."""
+    (id_, message_id, exchange, routing_key, body, headers, properties, ordering_key, created_at,
+     attempts, ambiguous, last_error) = row  # fmt: skip
+    invalid = None
+    try:
+        headers, properties = json.loads(headers), json.loads(properties)
+    except (ValueError, RecursionError) as exc:
+        headers, properties = {}, {}
+        invalid = f"stored headers or properties cannot be decoded: {type(exc).__name__}"
     return model.OutboxMessage(
         id=id_,
         message_id=message_id,
@@ -169,6 +188,7 @@ def _message(row: Any) -> model.OutboxMessage:
         attempts=attempts,
         ambiguous=ambiguous,
         last_error=last_error,
+        invalid=invalid,
     )
 
 
@@ -188,4 +208,5 @@ def _retry_params(claim_id: UUID, settlement: model.Settlement) -> dict[str, Any
         "delays": [r.delay for r in settlement.retry],
         "errors": [r.error for r in settlement.retry],
         "refunds": [r.refund for r in settlement.retry],
+        "ambiguous": [r.ambiguous for r in settlement.retry],
     }

@@ -10,6 +10,7 @@ import psycopg
 import pytest
 
 import relay
+from relay import migrate
 from tests.support.amqp import Broker
 from tests.support.processes import clean_env, run_cli
 
@@ -38,11 +39,11 @@ def test_migrate_twice_then_stats(empty_database_url: str) -> None:
     env = clean_env(OUTBOX_DATABASE_URL=empty_database_url)
     first = run_cli("migrate", env=env)
     assert first.returncode == 0, first.stderr
-    assert first.stdout.strip() == (
-        'applied 0001_tables, 0002_enqueue; schema "outbox" is at version 2'
-    )
+    labels = ", ".join(m.label for m in migrate.discover())
+    version = len(migrate.discover())
+    assert first.stdout.strip() == f'applied {labels}; schema "outbox" is at version {version}'
     second = run_cli("migrate", env=env)
-    assert second.stdout.strip() == 'schema "outbox" is up to date (version 2)'
+    assert second.stdout.strip() == f'schema "outbox" is up to date (version {version})'
     stats = run_cli("stats", "--json", env=env)
     assert stats.returncode == 0, stats.stderr
     assert json.loads(stats.stdout) == {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
@@ -157,23 +158,40 @@ async def test_settle_archives_dead_letters_and_retries(harness: Harness) -> Non
     assert (retried.message_id, retried.attempts, retried.last_error) == (again, 2, "nacked")
 
 
-async def test_refunded_retry_gives_the_attempt_back(harness: Harness) -> None:
+@pytest.mark.parametrize(("ambiguous", "expected"), [(False, (0, 0)), (True, (0, 1))])
+async def test_refunded_retry_gives_the_attempt_back(
+    harness: Harness, ambiguous: bool, expected: tuple[int, int]
+) -> None:
     message_id = await harness.add()
     claim = await harness.store.claim(10, lease=30)
     (message,) = claim.messages
     await harness.store.settle(
         claim.claim_id,
-        model.Settlement(retry=(model.Retry(message.id, 0.0, "connection lost", refund=True),)),
+        model.Settlement(
+            retry=(model.Retry(message.id, 0.0, "given back", refund=True, ambiguous=ambiguous),)
+        ),
     )
-    assert await harness.attempts(message_id) == (0, 1)
+    assert await harness.attempts(message_id) == expected
 
 
-async def test_expired_lease_returns_the_row_and_fences_the_old_claim(harness: Harness) -> None:
+async def test_resent_rows_count_one_more_ambiguous_send(harness: Harness) -> None:
+    message_id = await harness.add()
+    claim = await harness.store.claim(10, lease=30)
+    (message,) = claim.messages
+    await harness.store.settle(
+        claim.claim_id,
+        model.Settlement(resent=(message.id,), retry=(model.Retry(message.id, 0.0, "nacked"),)),
+    )
+    assert await harness.attempts(message_id) == (1, 1)
+
+
+async def test_expired_lease_makes_an_orphan_and_fences_the_old_claim(harness: Harness) -> None:
     message_id = await harness.add()
     first = await harness.store.claim(10, lease=0.3)
-    assert (await harness.store.claim(10, lease=30)).messages == ()  # still leased
+    assert (await harness.store.claim_orphans(10, lease=30)).messages == ()  # still leased
     await harness.advance(0.3)
-    second = await harness.store.claim(10, lease=30)
+    assert (await harness.store.claim(10, lease=30)).messages == ()  # orphans are not for claim()
+    second = await harness.store.claim_orphans(10, lease=30)
     assert [(m.message_id, m.attempts) for m in second.messages] == [(message_id, 2)]
     (row,) = second.messages
     late = await harness.store.settle(first.claim_id, model.Settlement(archive=(row.id,)))
@@ -181,6 +199,42 @@ async def test_expired_lease_returns_the_row_and_fences_the_old_claim(harness: H
     assert (await harness.store.stats()).archived == 0
     owner = await harness.store.settle(second.claim_id, model.Settlement(archive=(row.id,)))
     assert owner == model.SettleCounts(archived=1)
+
+
+async def test_claim_orphans_takes_only_orphans(harness: Harness) -> None:
+    await harness.add("healthy")
+    assert (await harness.store.claim_orphans(10, lease=30)).messages == ()
+    assert [m.routing_key for m in (await harness.store.claim(10, lease=30)).messages] == [
+        "healthy"
+    ]
+
+
+async def test_heartbeat_keeps_a_lease_and_only_for_its_claim(harness: Harness) -> None:
+    await harness.add()
+    claim = await harness.store.claim(10, lease=0.4)
+    ids = [m.id for m in claim.messages]
+    assert await harness.store.extend(claim.claim_id, ids, lease=30) == 1
+    await harness.advance(0.4)
+    assert (await harness.store.claim_orphans(10, lease=30)).messages == ()  # renewed: not orphaned
+    assert await harness.store.extend(uuid.uuid4(), ids, lease=30) == 0  # someone else's claim
+
+
+async def test_exhausted_orphans_are_buried_unread(harness: Harness) -> None:
+    doomed = await harness.add("doomed")
+    spared = await harness.add("spared")
+    await harness.store.claim(10, lease=0.2)
+    await harness.advance(0.2)
+    await harness.store.claim_orphans(10, lease=0.2)  # both claimed twice, never settled
+    await harness.advance(0.2)
+    assert await harness.store.bury_exhausted(max_attempts=3) == []  # not yet exhausted
+    claim = await harness.store.claim_orphans(10, lease=0.3)  # both now leased a third time
+    (spared_row,) = [m for m in claim.messages if m.message_id == spared]
+    await harness.store.settle(claim.claim_id, model.Settlement(archive=(spared_row.id,)))
+    assert await harness.store.bury_exhausted(max_attempts=3) == []  # doomed is still leased
+    await harness.advance(0.3)
+    assert await harness.store.bury_exhausted(max_attempts=3) == [(doomed, 3)]
+    stats = await harness.store.stats()
+    assert (stats.pending, stats.archived, stats.dead_by_reason) == (0, 1, {"max_attempts": 1})
 
 
 async def test_stats_count_each_state(harness: Harness) -> None:

@@ -6,6 +6,7 @@ contract against both, so the unit tests of the loop can trust it.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import uuid
 from collections.abc import Callable, Sequence
@@ -89,8 +90,15 @@ class MemoryStore:
 
     async def claim(self, limit: int, lease: float) -> model.Claim:
         self._enter("claim")
+        return self._lease(lambda r: r.claim_id is None, limit, lease)
+
+    async def claim_orphans(self, limit: int, lease: float) -> model.Claim:
+        self._enter("claim_orphans")
+        return self._lease(lambda r: r.claim_id is not None, limit, lease)
+
+    def _lease(self, which: Callable[[Row], bool], limit: int, lease: float) -> model.Claim:
         due = sorted(
-            (r for r in self.rows.values() if r.available_at <= self.now),
+            (r for r in self.rows.values() if which(r) and r.available_at <= self.now),
             key=lambda r: (r.available_at, r.id),
         )[:limit]
         claim_id = uuid.uuid4()
@@ -100,9 +108,27 @@ class MemoryStore:
             row.available_at = self.now + timedelta(seconds=lease)
         return model.Claim(claim_id, tuple(_message(r) for r in due))
 
+    async def bury_exhausted(self, max_attempts: int) -> list[tuple[UUID, int]]:
+        self._enter("bury_exhausted")
+        doomed = [r for r in self.rows.values() if r.claim_id is not None
+                  and r.available_at <= self.now and r.attempts >= max_attempts]  # fmt: skip
+        for row in doomed:
+            self.dead.append(Settled(self.rows.pop(row.id), "max_attempts", "never settled"))
+        return [(r.message_id, r.attempts) for r in doomed]
+
+    async def extend(self, claim_id: UUID, ids: Sequence[int], lease: float) -> int:
+        self._enter("extend")
+        rows = [self.rows[i] for i in ids if i in self.rows and self.rows[i].claim_id == claim_id]
+        for row in rows:
+            row.available_at = self.now + timedelta(seconds=lease)
+        return len(rows)
+
     async def settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:
         self._enter("settle")
         owned = {i for i, r in self.rows.items() if r.claim_id == claim_id}
+        for i in settlement.resent:
+            if i in owned:
+                self.rows[i].ambiguous += 1
         archived = [i for i in settlement.archive if i in owned]
         dead = [d for d in settlement.dead if d.id in owned]
         retried = [r for r in settlement.retry if r.id in owned]
@@ -114,7 +140,7 @@ class MemoryStore:
             row = self.rows[r.id]
             row.available_at = self.now + timedelta(seconds=r.delay)
             row.attempts -= int(r.refund)
-            row.ambiguous += int(r.refund)
+            row.ambiguous += int(r.ambiguous)
             row.claim_id = None
             row.last_error = r.error
         fenced = settlement.size - len(archived) - len(dead) - len(retried)
@@ -172,11 +198,17 @@ def acked(_: model.OutboxMessage) -> model.PublishResult:
 
 class ScriptedPublisher:
     """ports.Publisher whose outcome for each message is decided by `script`.
-    `down` > 0 makes that many connect() calls raise BrokerUnavailable."""
+    `down` > 0 makes that many connect() calls raise BrokerUnavailable; `blocked` stands for a
+    broker alarm; with `gate` set, publish() waits for the gate (the broker's confirms) or for
+    its `abort`, which turns everything still unconfirmed AMBIGUOUS."""
 
     def __init__(self, script: Script = acked) -> None:
         self.script = script
         self.down = 0
+        self.blocked = False
+        self.unblocked = asyncio.Event()
+        self.gate: asyncio.Event | None = None
+        self.publishing = asyncio.Event()
         self.published: list[model.OutboxMessage] = []
         self.batches = 0
 
@@ -185,9 +217,23 @@ class ScriptedPublisher:
             self.down -= 1
             raise errors.BrokerUnavailable("simulated broker outage")
 
-    async def publish(self, messages: Sequence[model.OutboxMessage]) -> list[model.PublishResult]:
+    async def until_unblocked(self) -> None:
+        await self.unblocked.wait()
+
+    async def publish(
+        self, messages: Sequence[model.OutboxMessage], abort: asyncio.Event | None = None
+    ) -> list[model.PublishResult]:
         self.batches += 1
         self.published.extend(messages)
+        self.publishing.set()
+        if self.gate is not None:
+            abort = abort or asyncio.Event()
+            waiters = [asyncio.ensure_future(self.gate.wait()), asyncio.ensure_future(abort.wait())]
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            for waiter in waiters:
+                waiter.cancel()
+            if not self.gate.is_set():
+                return [model.PublishResult(model.Outcome.AMBIGUOUS, "aborted") for _ in messages]
         return [self.script(m) for m in messages]
 
     async def close(self) -> None:

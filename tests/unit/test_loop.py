@@ -103,18 +103,51 @@ async def test_ambiguous_outcome_is_resent_without_spending_an_attempt() -> None
     assert [d.reason for d in store.dead] == ["max_attempts"]
 
 
-async def test_row_claimed_past_max_attempts_is_dead_lettered_without_publishing() -> None:
-    # A relay that crashes while publishing a row never settles it: each lease expiry and re-claim
-    # counts an attempt, so a row that kills every relay still ends in `dead`.
+async def test_row_whose_relays_keep_dying_is_buried_without_publishing() -> None:
+    # A relay that dies while publishing a row never settles it: each lease expiry and re-claim
+    # counts an attempt, so a row that kills every relay still ends in `dead`, moved there unread.
     store, publisher = MemoryStore(), ScriptedPublisher()
     row = store.add()
-    for _ in range(3):
-        await store.claim(10, lease=5.0)  # a relay claims it, then dies
+    await store.claim(10, lease=5.0)  # a relay claims it, then dies
+    for _ in range(2):
         store.advance(5.0)
+        await store.claim_orphans(1, lease=5.0)  # another claims the orphan, and dies too
+    store.advance(5.0)
+    report = await relay_for(store, publisher, max_attempts=3).run_once()
+    assert publisher.published == []
+    assert [(d.reason, d.row.message_id) for d in store.dead] == [("max_attempts", row.message_id)]
+    assert (report.buried, report.dead) == (1, {model.DeadReason.MAX_ATTEMPTS: 1})
+
+
+async def test_row_claimed_past_max_attempts_is_dead_lettered_without_publishing() -> None:
+    # Rows can also be over the limit when max_attempts was lowered: no publish for them either.
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    row = store.add()
+    row.attempts = 7
     await relay_for(store, publisher, max_attempts=3).run_once()
     assert publisher.published == []
     assert [(d.reason, d.row.message_id) for d in store.dead] == [("max_attempts", row.message_id)]
-    assert "claimed 4 times" in store.dead[0].detail
+    assert "claimed 8 times" in store.dead[0].detail
+
+
+async def test_orphans_are_published_one_at_a_time_after_the_batch() -> None:
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    orphans = [store.add(routing_key=f"orphan.{i}") for i in range(3)]
+    await store.claim(10, lease=5.0)  # a relay took them and died
+    store.advance(5.0)
+    fresh = store.add(routing_key="fresh")
+    batches: list[list[str]] = []
+    real_publish = publisher.publish
+
+    async def recording(messages: Any, abort: Any = None) -> list[model.PublishResult]:
+        batches.append([m.routing_key for m in messages])
+        return await real_publish(messages, abort)
+
+    publisher.publish = recording  # type: ignore[method-assign]
+    report = await relay_for(store, publisher).run_once()
+    assert batches == [["fresh"], ["orphan.0"], ["orphan.1"], ["orphan.2"]]
+    assert report.settled.archived == 4
+    assert {s.row.message_id for s in store.archive} == {r.message_id for r in [*orphans, fresh]}
 
 
 async def test_unexpected_publish_error_counts_an_attempt() -> None:
@@ -144,15 +177,95 @@ async def test_settle_is_retried_through_a_database_outage() -> None:
 
 
 async def test_settle_of_a_row_reclaimed_elsewhere_is_a_counted_no_op() -> None:
-    store = MemoryStore()
+    # A relay stalls past its lease (its heartbeats cannot reach the database), another claims the
+    # orphan and archives it; the first relay's late settle must change nothing.
+    store, publisher = MemoryStore(), ScriptedPublisher()
     row = store.add()
-    first = await store.claim(10, lease=1.0)
-    store.advance(2.0)
-    second = await store.claim(10, lease=1.0)
-    late = await store.settle(first.claim_id, model.Settlement(archive=(row.id,)))
-    assert late == model.SettleCounts(fenced=1)
-    assert row.claim_id == second.claim_id
-    assert store.archive == []
+    store.fail_next["extend"] = 10**6
+    publisher.gate = asyncio.Event()
+    relay = relay_for(store, publisher, lease=0.05)
+    stalled = asyncio.create_task(relay.run_once())
+    await asyncio.wait_for(publisher.publishing.wait(), 5)
+    store.advance(1.0)
+    rescuer = relay_for(store, ScriptedPublisher())
+    assert (await rescuer.run_once()).settled.archived == 1
+    publisher.gate.set()
+    late = await asyncio.wait_for(stalled, 5)
+    assert late.settled == model.SettleCounts(fenced=1)
+    assert [s.row.message_id for s in store.archive] == [row.message_id]
+
+
+async def test_heartbeat_renews_the_lease_while_the_broker_is_slow() -> None:
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    row = store.add()
+    publisher.gate = asyncio.Event()
+    stalled = asyncio.create_task(relay_for(store, publisher, lease=0.06).run_once())
+    await asyncio.wait_for(publisher.publishing.wait(), 5)
+    first = row.available_at
+    store.advance(0.05)  # most of the lease passes…
+    await _until(lambda: row.available_at > first)  # …and a beat renews it from the new "now"
+    publisher.gate.set()
+    assert (await asyncio.wait_for(stalled, 5)).settled.archived == 1
+
+
+async def test_stop_gives_unconfirmed_rows_back_at_once_after_the_grace() -> None:
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    rows = [store.add() for _ in range(3)]
+    publisher.gate = asyncio.Event()  # the broker never confirms
+    relay = relay_for(store, publisher, shutdown_grace=0.05, poll_interval=3600.0)
+    stop = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop))
+    await asyncio.wait_for(publisher.publishing.wait(), 5)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    for row in rows:  # back in the queue, due now, attempt refunded, counted as ambiguous
+        assert (row.claim_id, row.available_at, row.attempts, row.ambiguous) == (
+            None,
+            store.now,
+            0,
+            1,
+        )
+
+
+async def test_rows_claimed_when_stopping_are_released_unsent() -> None:
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    rows = [store.add() for _ in range(3)]
+    relay = relay_for(store, publisher)
+    relay._stopping.set()  # the stop arrived between the claim and the publish
+    report = await relay.run_once()
+    assert publisher.published == []
+    assert report.settled.retried == 3
+    assert all((r.claim_id, r.attempts, r.ambiguous) == (None, 0, 0) for r in rows)
+
+
+async def test_blocked_broker_claims_nothing_until_it_unblocks() -> None:
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    store.add()
+    publisher.blocked = True
+    relay = relay_for(store, publisher, poll_interval=0.01)
+    assert (await relay.run_once()).blocked
+    stop = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop))
+    await _until(lambda: store.calls.count("claim") == 0 and publisher.batches == 0)
+    publisher.blocked = False
+    publisher.unblocked.set()
+    await _until(lambda: len(store.archive) == 1)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert store.calls.count("claim") >= 1
+
+
+def test_rejected_message_is_dead_with_the_reason_the_publisher_named() -> None:
+    result = model.PublishResult(Outcome.REJECTED, "406 too big", reason=model.DeadReason.TOO_LARGE)
+    plan = loop.plan([_message(1)], [result], [], loop.Options())
+    assert [(d.reason, d.detail) for d in plan.dead] == [
+        (model.DeadReason.TOO_LARGE, "406 too big")
+    ]
+
+
+def test_resent_results_are_recorded() -> None:
+    result = model.PublishResult(Outcome.ACKED, resent=True)
+    assert loop.plan([_message(7)], [result], [], loop.Options()).resent == (7,)
 
 
 async def test_run_wakes_on_the_event_and_stops_when_told() -> None:
