@@ -8,7 +8,7 @@ import logging
 import psycopg
 import tenacity
 
-from relay import errors, retry, sql
+from relay import errors, pg, retry, sql
 from relay.pg import translate_errors
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,9 @@ class Listener:
 
     async def _listen_once(self) -> None:
         with translate_errors(self._schema):
-            conn = await psycopg.AsyncConnection.connect(self._conninfo, autocommit=True)
+            conn = await psycopg.AsyncConnection.connect(
+                self._conninfo, autocommit=True, application_name=pg.APPLICATION_NAME
+            )
             try:
                 await conn.execute(self._listen)
                 self.connects += 1

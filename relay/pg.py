@@ -11,6 +11,9 @@ import psycopg_pool
 
 from relay import errors
 
+#: Every session the relay opens carries this name, so operators can find (and kill) them.
+APPLICATION_NAME = "outbox-relay"
+
 #: Errors that mean "the schema is not there (yet)", not "the database is down".
 _MISSING = (
     psycopg.errors.UndefinedTable,

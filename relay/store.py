@@ -12,7 +12,7 @@ from uuid import UUID
 import psycopg
 import psycopg_pool
 
-from relay import config, errors, model, sql
+from relay import config, errors, model, pg, sql
 from relay.pg import translate_errors
 
 
@@ -51,8 +51,7 @@ class PgStore:
             max_size=max_size,
             open=False,
             timeout=connect_timeout,
-            # The name lets operators (and the chaos suite) find the relay's sessions.
-            kwargs={"autocommit": True, "application_name": "outbox-relay"},
+            kwargs={"autocommit": True, "application_name": pg.APPLICATION_NAME},
             name="outbox-relay",
         )
         try:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import socket
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
@@ -18,6 +19,7 @@ from relay import errors, model
 from relay.publisher import AmqpPublisher
 from tests.support.amqp import Broker
 from tests.support.proxy import TcpProxy
+from tests.support.services import Services
 
 Outcome = model.Outcome
 _ids = itertools.count(1)
@@ -245,3 +247,86 @@ async def test_unreachable_broker_raises_broker_unavailable() -> None:
         with pytest.raises(errors.BrokerUnavailable) as info:
             await publisher.connect()
     assert "secret" not in str(info.value)
+
+
+async def test_malformed_header_closing_the_channel_is_found_and_the_rest_resent(
+    publisher: AmqpPublisher, broker: Broker
+) -> None:
+    # RabbitMQ closes the channel over a CC header that is not a list of strings, naming neither
+    # the exchange nor the message: only publishing one at a time can tell who did it.
+    await broker.declare()
+    batch = [message(broker.exchange, f"ok.{i}") for i in range(6)]
+    batch.insert(3, message(broker.exchange, "bad", headers={"CC": 5}))
+    results = await publisher.publish(batch)
+    culprit = results.pop(3)
+    assert (culprit.outcome, culprit.reason) == (Outcome.REJECTED, model.DeadReason.REJECTED)
+    assert "unacceptable_type_in_header" in culprit.detail
+    assert outcomes(results) == [Outcome.ACKED] * 6
+    got = await broker.collect(6, settle=0.3)
+    assert {g.routing_key for g in got} == {f"ok.{i}" for i in range(6)}
+    # A message sent again after its first send was cut short says so (and may arrive twice).
+    copies = collections.Counter(g.routing_key for g in got)
+    assert all(r.resent for r, key in zip(results, [f"ok.{i}" for i in range(6)], strict=True)
+               if copies[key] > 1)  # fmt: skip
+
+
+async def test_internal_exchange_is_access_refused_and_the_rest_delivered(
+    publisher: AmqpPublisher, broker: Broker
+) -> None:
+    await broker.declare()
+    internal = f"{broker.exchange}.internal"
+    async with broker.channel() as channel:
+        await channel.declare_exchange(internal, internal=True)
+    try:
+        results = await publisher.publish(
+            [message(broker.exchange, "a"), message(internal), message(broker.exchange, "c")]
+        )
+    finally:
+        async with broker.channel() as channel:
+            await channel.exchange_delete(internal)
+    assert (results[1].outcome, results[1].reason) == (
+        Outcome.REJECTED,
+        model.DeadReason.ACCESS_REFUSED,
+    )
+    assert "internal exchange" in results[1].detail
+    assert outcomes([results[0], results[2]]) == [Outcome.ACKED, Outcome.ACKED]
+
+
+@pytest.fixture
+def broker_max_message_size(svc: Services) -> Iterator[int]:
+    """Lower RabbitMQ's max_message_size for the test (new channels pick it up)."""
+    limit = 4096
+    svc.broker_ctl("eval", f"application:set_env(rabbit, max_message_size, {limit}).")
+    try:
+        yield limit
+    finally:
+        svc.broker_ctl("eval", "application:set_env(rabbit, max_message_size, 134217728).")
+
+
+async def test_message_over_the_brokers_size_limit_is_too_large(
+    amqp_url: str, broker: Broker, broker_max_message_size: int
+) -> None:
+    await broker.declare()
+    publisher = AmqpPublisher(amqp_url, confirm_timeout=5)
+    await publisher.connect()
+    try:
+        big = b"x" * (broker_max_message_size + 1)
+        results = await publisher.publish(
+            [message(broker.exchange, "a"), message(broker.exchange, "big", big),
+             message(broker.exchange, "c")])  # fmt: skip
+        assert (results[1].outcome, results[1].reason) == (
+            Outcome.REJECTED,
+            model.DeadReason.TOO_LARGE,
+        )
+        assert outcomes([results[0], results[2]]) == [Outcome.ACKED, Outcome.ACKED]
+        # The limit is now known: the next oversized message is refused before it is sent, so the
+        # channel (and the batch on it) is not disturbed again.
+        again = await publisher.publish([message(broker.exchange, "big2", big),
+                                         message(broker.exchange, "d")])  # fmt: skip
+        assert [(r.outcome, r.resent) for r in again] == [
+            (Outcome.REJECTED, False),
+            (Outcome.ACKED, False),
+        ]
+        assert f"max_message_size is {broker_max_message_size}" in again[0].detail
+    finally:
+        await publisher.close()

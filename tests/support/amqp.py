@@ -59,25 +59,22 @@ class Broker:
                 await channel.exchange_delete(self.exchange)
 
     async def collect(
-        self, count: int, *, timeout: float = 30.0, settle: float = 0.0
+        self, count: int, *, timeout: float = 30.0, settle: float = 0.0, distinct: bool = False
     ) -> list[Received]:
-        """Consume until `count` messages arrived (AssertionError after `timeout`); then keep
-        listening `settle` seconds more, so a test can see that nothing else arrives."""
+        """Consume until `count` messages arrived (`distinct`: messages with different ids), or
+        AssertionError after `timeout`; then keep listening `settle` seconds more, so a test can
+        see that nothing else arrives."""
         received: list[Received] = []
+        ids: set[str] = set()
         enough = asyncio.Event()
 
         async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
             await message.ack()
-            received.append(
-                Received(
-                    str(message.message_id),
-                    message.routing_key or "",
-                    message.body,
-                    dict(message.headers),
-                    message,
-                )
-            )
-            if len(received) >= count:
+            message_id = str(message.message_id)
+            received.append(Received(message_id, message.routing_key or "", message.body,
+                                     dict(message.headers), message))  # fmt: skip
+            ids.add(message_id)
+            if (len(ids) if distinct else len(received)) >= count:
                 enough.set()
 
         async with self.channel() as channel:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -28,6 +28,8 @@ class TcpProxy:
         self._connections: set[asyncio.StreamWriter] = set()
         self.port = 0
         self.accepted = 0
+        self.tripped = 0
+        self._trip: tuple[bytes, Callable[[], None]] | None = None
 
     def __enter__(self) -> TcpProxy:
         self._thread.start()
@@ -52,6 +54,11 @@ class TcpProxy:
     def restore(self) -> None:
         self._refusing = False
 
+    def trip_on(self, marker: bytes, action: Callable[[], None]) -> None:
+        """When a client sends bytes containing `marker`, call `action` (on the proxy's thread)
+        and reset that connection without forwarding them: the peer never sees that data."""
+        self._trip = (marker, action)
+
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=10)
 
@@ -65,6 +72,10 @@ class TcpProxy:
         await self._cut()
         if self._server is not None:
             self._server.close()
+        handlers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
 
     async def _set_flowing(self, flowing: bool) -> None:
         assert self._flowing is not None
@@ -93,20 +104,37 @@ class TcpProxy:
             return
         self._connections.update((client_w, server_w))
         await asyncio.gather(
-            self._pump(client_r, server_w), self._pump(server_r, client_w), return_exceptions=True
+            self._pump(client_r, server_w, watch=client_w),
+            self._pump(server_r, client_w),
+            return_exceptions=True,
         )
         for writer in (client_w, server_w):
             self._connections.discard(writer)
             with contextlib.suppress(Exception):
                 writer.close()
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        watch: asyncio.StreamWriter | None = None,
+    ) -> None:
         assert self._flowing is not None
+        tail = b""
         while True:
             await self._flowing.wait()
             data = await reader.read(65536)
             if not data:
                 break
+            if watch is not None and self._trip is not None:
+                marker, action = self._trip
+                if marker in tail + data:  # the marker may straddle two reads
+                    self.tripped += 1
+                    action()
+                    watch.transport.abort()
+                    writer.transport.abort()
+                    return
+                tail = (tail + data)[-len(marker) :]
             await self._flowing.wait()
             writer.write(data)
             await writer.drain()

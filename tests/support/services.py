@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -20,7 +21,8 @@ DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 class Services:
     database_url: str  # a superuser connection to a maintenance database (creates test databases)
     amqp_url: str
-    broker_ctl: Callable[[str], None]  # runs `rabbitmqctl <verb>` wherever the broker lives
+    broker_ctl: Callable[..., str]  # runs `rabbitmqctl ARGS…` wherever the broker lives
+    database_ctl: Callable[[str], None] | None  # `pg_ctlcluster … VERB` for a local cluster
 
     def with_database(self, name: str) -> str:
         """The admin URL pointed at database `name`."""
@@ -45,8 +47,24 @@ def _docker_works() -> bool:
     return probe.returncode == 0
 
 
-def _local_rabbitmqctl(verb: str) -> None:
-    subprocess.run(["rabbitmqctl", "-q", verb], check=True, capture_output=True, timeout=120)
+def _local_pg_ctlcluster() -> Callable[[str], None] | None:
+    """Control of the machine's own PostgreSQL cluster, if it has one (Debian's layout)."""
+    versions = sorted(Path("/etc/postgresql").glob("*/main"))
+    if not versions or shutil.which("pg_ctlcluster") is None:
+        return None
+    version = versions[-1].parent.name
+
+    def ctl(verb: str) -> None:
+        subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", version, "main", verb],
+                       check=True, capture_output=True, timeout=120)  # fmt: skip
+
+    return ctl
+
+
+def _local_rabbitmqctl(*args: str) -> str:
+    done = subprocess.run(["rabbitmqctl", "-q", *args], check=True, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    return done.stdout
 
 
 @contextlib.contextmanager
@@ -56,7 +74,8 @@ def discover() -> Iterator[Services]:
     Docker engine answers. Raises RuntimeError naming what is missing otherwise."""
     database_url = os.environ.get("OUTBOX_TEST_DATABASE_URL", DEFAULT_DATABASE_URL)
     amqp_url = os.environ.get("OUTBOX_TEST_AMQP_URL", DEFAULT_AMQP_URL)
-    broker_ctl: Callable[[str], None] = _local_rabbitmqctl
+    broker_ctl: Callable[..., str] = _local_rabbitmqctl
+    database_ctl = _local_pg_ctlcluster()
     with contextlib.ExitStack() as stack:
         pg_up, mq_up = reachable(database_url, 5432), reachable(amqp_url, 5672)
         if not (pg_up and mq_up):
@@ -76,9 +95,10 @@ def discover() -> Iterator[Services]:
                 )
             if not pg_up:
                 database_url = stack.enter_context(_postgres_container())
+                database_ctl = None
             if not mq_up:
                 amqp_url, broker_ctl = stack.enter_context(_rabbitmq_container())
-        yield Services(database_url, amqp_url, broker_ctl)
+        yield Services(database_url, amqp_url, broker_ctl, database_ctl)
 
 
 @contextlib.contextmanager
@@ -90,16 +110,17 @@ def _postgres_container() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def _rabbitmq_container() -> Iterator[tuple[str, Callable[[str], None]]]:
+def _rabbitmq_container() -> Iterator[tuple[str, Callable[..., str]]]:
     from testcontainers.community.rabbitmq import RabbitMqContainer
 
     with RabbitMqContainer("rabbitmq:3.13") as container:
         host = container.get_container_host_ip()
         port = container.get_exposed_port(5672)
 
-        def ctl(verb: str) -> None:
-            result: Any = container.exec(f"rabbitmqctl -q {verb}")
+        def ctl(*args: str) -> str:
+            result: Any = container.exec(["rabbitmqctl", "-q", *args])
             if result.exit_code != 0:
-                raise RuntimeError(f"rabbitmqctl {verb} failed: {result.output!r}")
+                raise RuntimeError(f"rabbitmqctl {args} failed: {result.output!r}")
+            return str(result.output)
 
         yield f"amqp://guest:guest@{host}:{port}/", ctl
