@@ -123,11 +123,13 @@ class AmqpPublisher:
         log.info("connected to RabbitMQ (frame_max=%d)", self._frame_max)
 
     async def close(self) -> None:
+        """Close the connection; give up waiting for the broker's reply after connect_timeout
+        (a stalled network never sends one), which drops it all the same."""
         connection, self._connection = self._connection, None
         self._channel = self._probe = None
         if connection is not None and not connection.is_closed:
             with contextlib.suppress(*_CONNECTION_ERRORS, RuntimeError):
-                await connection.close()
+                await asyncio.wait_for(connection.close(), self._connect_timeout)
 
     async def publish(
         self, messages: Sequence[model.OutboxMessage], abort: asyncio.Event | None = None
@@ -139,13 +141,14 @@ class AmqpPublisher:
                 ready[i] = self._properties(message)
             except InvalidRow as exc:
                 results[i] = model.PublishResult(Outcome.INVALID, str(exc))
-        missing = await self._missing_exchanges({messages[i].exchange for i in ready})
+        abort = abort or asyncio.Event()
+        missing = await self._missing_exchanges({messages[i].exchange for i in ready}, abort)
         for i in list(ready):
             early = self._refused_before_sending(messages[i], missing)
             if early is not None:
                 results[i] = early
                 del ready[i]
-        results.update(await self._publish_in_rounds(messages, ready, abort or asyncio.Event()))
+        results.update(await self._publish_in_rounds(messages, ready, abort))
         return [results[i] for i in range(len(messages))]
 
     def _refused_before_sending(
@@ -276,20 +279,25 @@ class AmqpPublisher:
             blamed = []
         return {i: _refusal(error) for i in blamed}
 
-    async def _missing_exchanges(self, names: set[str]) -> set[str]:
+    async def _missing_exchanges(self, names: set[str], abort: asyncio.Event) -> set[str]:
         """Which of `names` do not exist, by passive declare (the default exchange always does).
-        An exchange that cannot be checked in time counts as present: the publish will tell."""
+        An exchange that cannot be checked in time (or before `abort`) counts as present: the
+        publish will tell."""
         now = time.monotonic()
         missing: set[str] = set()
-        try:
-            async with asyncio.timeout(self._confirm_timeout):
-                for name in sorted(n for n in names if n and self._exchanges_seen.get(n, 0) < now):
-                    if await self._exchange_exists(name):
-                        self._exchanges_seen[name] = now + self._exchange_ttl
-                    else:
-                        missing.add(name)
-        except TimeoutError:
-            log.warning("exchange check took over %gs; publishing unchecked", self._confirm_timeout)
+
+        async def check() -> None:
+            for name in sorted(n for n in names if n and self._exchanges_seen.get(n, 0) < now):
+                if await self._exchange_exists(name):
+                    self._exchanges_seen[name] = now + self._exchange_ttl
+                else:
+                    missing.add(name)
+
+        checking = asyncio.ensure_future(check())
+        await _wait_all([checking], self._confirm_timeout, abort)
+        if checking.cancelled():
+            log.warning("exchange check unfinished after %gs or at shutdown; publishing unchecked",
+                        self._confirm_timeout)  # fmt: skip
             self._probe = None  # its RPC was abandoned mid-flight; open a fresh one next time
         return missing
 

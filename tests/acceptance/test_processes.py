@@ -189,3 +189,112 @@ async def test_broker_restart_mid_run_loses_nothing(
     counts = collections.Counter(g.message_id for g in got)
     assert set(counts) == set(committed), "every committed message reached the queue"
     assert scalar(database_url, "SELECT count(*) FROM outbox.messages") == 0
+
+
+def proxied(url: str, proxy: TcpProxy) -> str:
+    parts = urlsplit(url)
+    return parts._replace(
+        netloc=f"{parts.username}:{parts.password}@127.0.0.1:{proxy.port}"
+    ).geturl()
+
+
+async def test_sigterm_on_a_stalled_broker_gives_rows_back_for_another_relay_at_once(
+    database_url: str, amqp_url: str, broker: Broker
+) -> None:
+    await broker.declare()
+    target = urlsplit(amqp_url)
+    with TcpProxy(target.hostname or "127.0.0.1", target.port or 5672) as proxy:
+        # A lease of ten minutes: only an explicit give-back can free these rows in time.
+        env = relay_env(
+            database_url,
+            proxied(amqp_url, proxy),
+            OUTBOX_LEASE="600",
+            OUTBOX_CONFIRM_TIMEOUT="600",
+            OUTBOX_SHUTDOWN_TIMEOUT="1",
+        )
+        with RelayProcess(env) as stalled:
+            stalled.wait_for("ready")
+            proxy.pause()
+            ids = await asyncio.to_thread(enqueue_many, database_url, broker.exchange, 20)
+            until(
+                lambda: (
+                    scalar(
+                        database_url,
+                        "SELECT count(*) FROM outbox.messages WHERE claim_id IS NOT NULL",
+                    )
+                    == 20
+                ),
+                message="the stalled relay's claim",
+            )
+            started = time.monotonic()
+            assert stalled.stop(timeout=30) == 0, stalled.output
+            assert time.monotonic() - started < 15
+            proxy.cut()  # what it wrote never reaches the broker
+    assert (
+        scalar(
+            database_url,
+            "SELECT count(*) FROM outbox.messages WHERE claim_id IS NULL"
+            " AND available_at <= now() AND attempts = 0",
+        )
+        == 20
+    )
+    with RelayProcess(relay_env(database_url, amqp_url)) as rescuer:
+        rescuer.wait_for("ready")
+        wait_archived(database_url, 20, timeout=15)
+        assert rescuer.stop() == 0
+    got = await broker.collect(20, settle=0.3)
+    assert sorted(g.message_id for g in got) == sorted(ids)
+
+
+async def test_row_that_kills_its_relay_is_buried_and_spares_the_others(
+    database_url: str, amqp_url: str, broker: Broker
+) -> None:
+    # The proxy plays a fatal bug: whenever a relay sends the poison row, it is SIGKILLed on the
+    # spot (and the broker never sees that row). The test plays the supervisor that restarts it.
+    await broker.declare()
+    with psycopg.connect(database_url) as conn:
+        innocents = [str(relay.enqueue(conn, broker.exchange, f"k.{i}", b"fine"))
+                     for i in range(10)]  # fmt: skip
+        poison = str(relay.enqueue(conn, broker.exchange, "poison", b"POISON-PILL"))
+        innocents += [str(relay.enqueue(conn, broker.exchange, f"k.{i}", b"fine"))
+                      for i in range(10, 20)]  # fmt: skip
+        conn.commit()
+    target = urlsplit(amqp_url)
+    deaths = 0
+    with TcpProxy(target.hostname or "127.0.0.1", target.port or 5672) as proxy:
+        current: list[RelayProcess] = []
+        proxy.trip_on(b"POISON-PILL", lambda: current[-1].proc.kill())
+        env = relay_env(
+            database_url, proxied(amqp_url, proxy), OUTBOX_LEASE="1", OUTBOX_MAX_ATTEMPTS="3"
+        )
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            with RelayProcess(env) as proc:
+                current.append(proc)
+
+                def died_or_done(proc: RelayProcess = proc) -> bool:
+                    return proc.proc.poll() is not None or (
+                        scalar(database_url, "SELECT count(*) FROM outbox.messages") == 0
+                    )
+
+                until(died_or_done, timeout=60, interval=0.05, message="a death or the end")
+                if proc.proc.poll() is None:
+                    assert proc.stop() == 0, proc.output
+                    break
+                deaths += 1
+    assert deaths == 3, "one death per attempt: the first in its batch, then alone each time"
+    with psycopg.connect(database_url) as conn:
+        dead = conn.execute(
+            "SELECT message_id::text, reason, attempts, detail FROM outbox.dead"
+        ).fetchall()
+        archived: dict[str, int] = dict(
+            conn.execute("SELECT message_id::text, attempts FROM outbox.archive").fetchall()
+        )
+    assert [(m, reason, attempts) for m, reason, attempts, _ in dead] == [
+        (poison, "max_attempts", 3)
+    ]
+    assert "never settled" in dead[0][3]
+    assert sorted(archived) == sorted(innocents)
+    assert max(archived.values()) <= 2, "an innocent paid for the poison row"
+    got = await broker.collect(20, settle=0.3, distinct=True)
+    assert {g.message_id for g in got} == set(innocents)
