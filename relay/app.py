@@ -47,12 +47,21 @@ class Components:
     metrics: metrics.Metrics
 
 
-async def startup(what: str, attempt: Callable[[], Awaitable[T]], within: float) -> T:
-    """Call `attempt` until it succeeds, retrying outages for up to `within` seconds."""
+class StoppedWhileStarting(Exception):
+    """A stop signal arrived before the relay was ready; nothing had been claimed."""
+
+
+async def startup(
+    what: str, attempt: Callable[[], Awaitable[T]], within: float, stop: asyncio.Event | None = None
+) -> T:
+    """Call `attempt` until it succeeds, retrying outages for up to `within` seconds. Raises
+    StoppedWhileStarting as soon as `stop` is set, even mid-attempt."""
+    stop = stop or asyncio.Event()
     retrying = tenacity.AsyncRetrying(
         retry=tenacity.retry_if_exception(retry.is_transient),
         wait=retry.reconnect_wait(maximum=5.0),
         stop=tenacity.stop_after_delay(within),
+        sleep=lambda seconds: _unless_stopped(asyncio.sleep(seconds), stop),
         before_sleep=lambda state: log.warning(
             "waiting for %s: %s", what, state.outcome.exception() if state.outcome else "?"
         ),
@@ -60,25 +69,45 @@ async def startup(what: str, attempt: Callable[[], Awaitable[T]], within: float)
     )
     async for try_ in retrying:
         with try_:
-            return await attempt()
+            return await _unless_stopped(attempt(), stop)
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+async def _unless_stopped(step: Awaitable[T], stop: asyncio.Event) -> T:
+    if stop.is_set():
+        raise StoppedWhileStarting
+    task = asyncio.ensure_future(step)
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise StoppedWhileStarting
+    return task.result()
+
+
 @contextlib.asynccontextmanager
-async def components(settings: config.Settings) -> AsyncIterator[Components]:
+async def components(
+    settings: config.Settings, stop: asyncio.Event | None = None
+) -> AsyncIterator[Components]:
     """Open the store, the publisher and the LISTEN connection; close them all on exit.
-    Raises DatabaseUnavailable/BrokerUnavailable after `startup_timeout`, or SchemaMissing."""
+    Raises DatabaseUnavailable/BrokerUnavailable after `startup_timeout`, SchemaMissing, or
+    StoppedWhileStarting if `stop` is set before everything is open."""
     database_url = settings.database_url.get_secret_value()
     store = await startup(
         "PostgreSQL",
         lambda: PgStore.open(database_url, settings.db_schema, settings.relay_name),
         settings.startup_timeout,
+        stop,
     )
     publisher = AmqpPublisher(
         settings.amqp_url.get_secret_value(), confirm_timeout=settings.confirm_timeout
     )
     try:
-        await startup("RabbitMQ", publisher.connect, settings.startup_timeout)
+        await startup("RabbitMQ", publisher.connect, settings.startup_timeout, stop)
         wake = asyncio.Event()
         listener = Listener(database_url, settings.db_schema, wake)
         counters = metrics.Metrics()
@@ -105,26 +134,31 @@ async def run(
     replica), and returns. A second signal cancels outright: rows then keep their leases until they
     run out, and are published again by whichever relay claims them next."""
     stop = stop or asyncio.Event()
-    async with components(settings) as parts:
-        log.info(
-            "relay %s ready: schema=%s batch_size=%d lease=%gs",
-            settings.relay_name,
-            settings.db_schema,
-            settings.batch_size,
-            settings.lease,
-        )
-        if until_empty:
-            report = await parts.relay.run_until_empty()
-            log.info(
-                "no due rows left: %d claimed, %d archived, %d dead",
-                report.claimed,
-                report.settled.archived,
-                report.settled.dead,
-            )
-            return report
-        work = asyncio.create_task(parts.relay.run(stop), name="outbox-relay")
-        with _signals_set(stop, work):
-            await _until_stopped(work, stop, settings.shutdown_timeout)
+    work: asyncio.Task[None] | None = None
+    # Signals count from the start: a SIGTERM while still connecting ends start-up at once.
+    with _signals_set(stop, lambda: work.cancel() if work else None):
+        try:
+            async with components(settings, stop) as parts:
+                log.info(
+                    "relay %s ready: schema=%s batch_size=%d lease=%gs",
+                    settings.relay_name,
+                    settings.db_schema,
+                    settings.batch_size,
+                    settings.lease,
+                )
+                if until_empty:
+                    report = await parts.relay.run_until_empty()
+                    log.info(
+                        "no due rows left: %d claimed, %d archived, %d dead",
+                        report.claimed,
+                        report.settled.archived,
+                        report.settled.dead,
+                    )
+                    return report
+                work = asyncio.create_task(parts.relay.run(stop), name="outbox-relay")
+                await _until_stopped(work, stop, settings.shutdown_timeout)
+        except StoppedWhileStarting:
+            log.info("stopped before it was ready: nothing was claimed")
     return None
 
 
@@ -158,14 +192,14 @@ async def _until_stopped(work: asyncio.Task[None], stop: asyncio.Event, grace: f
 
 
 @contextlib.contextmanager
-def _signals_set(stop: asyncio.Event, work: asyncio.Task[None]) -> Iterator[None]:
-    """First SIGINT/SIGTERM sets `stop`; a second one cancels the work outright."""
+def _signals_set(stop: asyncio.Event, second: Callable[[], object]) -> Iterator[None]:
+    """The first SIGINT/SIGTERM sets `stop`; a second one calls `second` (to cancel outright)."""
     loop_ = asyncio.get_running_loop()
 
     def on_signal(signum: int) -> None:
         if stop.is_set():
             log.warning("second %s: cancelling now", signal.Signals(signum).name)
-            work.cancel()
+            second()
         else:
             log.info("%s received", signal.Signals(signum).name)
             stop.set()

@@ -176,13 +176,17 @@ class Relay:
         await stop.wait()
         self._stopping.set()
         await asyncio.sleep(self._options.shutdown_grace)
-        log.warning("no confirms after %gs of grace: giving unconfirmed rows back",
-                    self._options.shutdown_grace)  # fmt: skip
+        log.warning(
+            "no confirms after %gs of grace: giving unconfirmed rows back",
+            self._options.shutdown_grace,
+        )
         self._abort.set()
 
     async def _wait_unblocked(self, stop: asyncio.Event) -> None:
-        log.warning("RabbitMQ is blocking publishes (a memory or disk alarm): "
-                    "claiming nothing until it lifts")  # fmt: skip
+        log.warning(
+            "RabbitMQ is blocking publishes (a memory or disk alarm): "
+            "claiming nothing until it lifts"
+        )
         await _wait_any_of((self._publisher.until_unblocked(), stop.wait()), None)
         if not stop.is_set():
             log.info("RabbitMQ accepts publishes again")
@@ -208,8 +212,9 @@ class Relay:
             log.warning(
                 "dead-lettered message_id=%s attempt=%d reason=max_attempts "
                 "detail=never settled, its relays kept dying (moved to dead unread)",
-                message_id, attempts,
-            )  # fmt: skip
+                message_id,
+                attempts,
+            )
         if not buried:
             return model.CycleReport()
         return model.CycleReport(
@@ -228,8 +233,9 @@ class Relay:
             to_send = [m for m in batch if m.attempts <= self._options.max_attempts]
             async with self._heartbeat(claim.claim_id, [m.id for m in to_send]):
                 results = await self._publisher.publish(to_send, self._abort) if to_send else []
-            settlement = plan(to_send, results, exhausted, self._options,
-                              stopping=self._stopping.is_set())  # fmt: skip
+            settlement = plan(
+                to_send, results, exhausted, self._options, stopping=self._stopping.is_set()
+            )
         counts = await self._settle(claim.claim_id, settlement)
         _log_transitions(batch, settlement, counts)
         return _report(claim, results, settlement, counts)
@@ -252,12 +258,19 @@ class Relay:
             try:
                 kept = await self._store.extend(claim_id, ids, self._options.lease)
             except errors.TransientError as exc:
-                log.warning("could not renew a lease (%s); if it runs out, another relay may "
-                            "publish the rows too", exc)  # fmt: skip
+                log.warning(
+                    "could not renew a lease (%s); if it runs out, another relay may "
+                    "publish the rows too",
+                    exc,
+                )
                 continue
             if kept < len(ids):
-                log.warning("%d of %d rows in flight were re-claimed by another relay after their "
-                            "lease ran out", len(ids) - kept, len(ids))  # fmt: skip
+                log.warning(
+                    "%d of %d rows in flight were re-claimed by another relay after their "
+                    "lease ran out",
+                    len(ids) - kept,
+                    len(ids),
+                )
 
     async def _settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:
         # The broker has spoken; forgetting what it said would re-send the batch after the lease.
@@ -298,24 +311,35 @@ def _log_transitions(
         message = by_id[dead.id]
         log.warning(
             "dead-lettered message_id=%s attempt=%d reason=%s detail=%s",
-            message.message_id, message.attempts, dead.reason.value, dead.detail,
-        )  # fmt: skip
+            message.message_id,
+            message.attempts,
+            dead.reason.value,
+            dead.detail,
+        )
     if counts.fenced:
-        log.warning("%d rows had been re-claimed by another relay: their settle was skipped",
-                    counts.fenced)  # fmt: skip
+        log.warning(
+            "%d rows had been re-claimed by another relay: their settle was skipped", counts.fenced
+        )
     if not settlement.retry:
         return
     refunded = sum(r.refund for r in settlement.retry)
     log.info(
         "retrying %d of %d messages (%d not counted as attempts): %s",
-        len(settlement.retry), len(batch), refunded, settlement.retry[0].error,
-    )  # fmt: skip
+        len(settlement.retry),
+        len(batch),
+        refunded,
+        settlement.retry[0].error,
+    )
     for again in settlement.retry:
         message = by_id[again.id]
         log.debug(
             "retrying message_id=%s attempt=%d in=%.2fs refund=%s error=%s",
-            message.message_id, message.attempts, again.delay, again.refund, again.error,
-        )  # fmt: skip
+            message.message_id,
+            message.attempts,
+            again.delay,
+            again.refund,
+            again.error,
+        )
 
 
 def _log_outage(state: tenacity.RetryCallState) -> None:

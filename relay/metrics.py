@@ -42,6 +42,16 @@ class Metrics:
             "Settles skipped because another relay re-claimed the row after its lease ended.",
             registry=self.registry,
         )
+        self.blocked = Counter(
+            "outbox_blocked_cycles",
+            "Cycles that claimed nothing because RabbitMQ was blocking publishes (an alarm).",
+            registry=self.registry,
+        )
+        self.buried = Counter(
+            "outbox_buried",
+            "Orphans moved to dead unread after their relays kept dying on them.",
+            registry=self.registry,
+        )
         for outcome in model.Outcome:
             self.outcomes.labels(outcome.value)
         for reason in model.DeadReason:
@@ -57,3 +67,6 @@ class Metrics:
         self.published.inc(report.settled.archived)
         self.retried.inc(report.settled.retried)
         self.fenced.inc(report.settled.fenced)
+        self.buried.inc(report.buried)
+        if report.blocked:
+            self.blocked.inc()

@@ -29,8 +29,15 @@ Reason = model.DeadReason
 
 #: How long an exchange seen to exist is trusted before it is checked again.
 EXCHANGE_TTL = 30.0
-_STRING_PROPERTIES = ("content_type", "content_encoding", "correlation_id", "reply_to", "type",
-                      "user_id", "app_id")  # fmt: skip
+_STRING_PROPERTIES = (
+    "content_type",
+    "content_encoding",
+    "correlation_id",
+    "reply_to",
+    "type",
+    "user_id",
+    "app_id",
+)
 _ENCODING_ERRORS = (TypeError, ValueError, OverflowError, RecursionError, struct.error)
 #: The broker or the network failing (as opposed to our code).
 _BROKER_ERRORS = (
@@ -118,8 +125,10 @@ class AmqpPublisher:
             await self.close()
             raise errors.BrokerUnavailable(f"RabbitMQ unavailable: {_describe(exc)}") from exc
         if self._unblocked is None:
-            log.warning("cannot see connection.blocked on this aiormq version; "
-                        "a broker alarm will show up as confirm timeouts")  # fmt: skip
+            log.warning(
+                "cannot see connection.blocked on this aiormq version; "
+                "a broker alarm will show up as confirm timeouts"
+            )
         log.info("connected to RabbitMQ (frame_max=%d)", self._frame_max)
 
     async def close(self) -> None:
@@ -198,9 +207,12 @@ class AmqpPublisher:
                 break
             unconfirmed = [i for i, r in got.items() if r.outcome is Outcome.AMBIGUOUS]
             blamed = self._blame(error, messages, unconfirmed)
-            log.warning("the broker closed the publish channel (%s); %d culprit(s) named, "
-                        "re-sending %d", _describe(error), len(blamed),
-                        len(unconfirmed) - len(blamed))  # fmt: skip
+            log.warning(
+                "the broker closed the publish channel (%s); %d culprit(s) named, re-sending %d",
+                _describe(error),
+                len(blamed),
+                len(unconfirmed) - len(blamed),
+            )
             final.update(blamed)
             todo = {i: ready[i] for i in unconfirmed if i not in blamed}
             resent |= set(todo)
@@ -296,8 +308,10 @@ class AmqpPublisher:
         checking = asyncio.ensure_future(check())
         await _wait_all([checking], self._confirm_timeout, abort)
         if checking.cancelled():
-            log.warning("exchange check unfinished after %gs or at shutdown; publishing unchecked",
-                        self._confirm_timeout)  # fmt: skip
+            log.warning(
+                "exchange check unfinished after %gs or at shutdown; publishing unchecked",
+                self._confirm_timeout,
+            )
             self._probe = None  # its RPC was abandoned mid-flight; open a fresh one next time
         return missing
 
@@ -387,8 +401,9 @@ async def _wait_all(tasks: list[asyncio.Future[Any]], seconds: float, abort: asy
     everything = asyncio.ensure_future(asyncio.wait(tasks))
     aborted = asyncio.ensure_future(abort.wait())
     try:
-        await asyncio.wait({everything, aborted}, timeout=seconds,
-                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        await asyncio.wait(
+            {everything, aborted}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED
+        )
     finally:
         everything.cancel()
         aborted.cancel()

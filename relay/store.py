@@ -166,8 +166,20 @@ async def _one(cur: psycopg.AsyncCursor[Any]) -> Any:
 def _message(row: Any) -> model.OutboxMessage:
     """A claimed row as a message. JSON that will not decode (a row edited by hand, nesting deeper
     than Python's parser goes) marks this one message invalid instead of failing the claim."""
-    (id_, message_id, exchange, routing_key, body, headers, properties, ordering_key, created_at,
-     attempts, ambiguous, last_error) = row  # fmt: skip
+    (
+        id_,
+        message_id,
+        exchange,
+        routing_key,
+        body,
+        headers,
+        properties,
+        ordering_key,
+        created_at,
+        attempts,
+        ambiguous,
+        last_error,
+    ) = row
     invalid = None
     try:
         headers, properties = json.loads(headers), json.loads(properties)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Iterator
 
 import psycopg
@@ -12,7 +13,7 @@ import pytest
 import relay
 from relay import migrate
 from tests.support.amqp import Broker
-from tests.support.processes import clean_env, run_cli
+from tests.support.processes import RelayProcess, clean_env, run_cli
 
 
 @pytest.fixture
@@ -160,3 +161,17 @@ def test_version_and_module_entry_point() -> None:
     result = run_cli("--version")
     assert result.returncode == 0
     assert result.stdout.strip() == f"outbox-relay, version {relay.__version__}"
+
+
+def test_sigterm_while_starting_exits_zero_at_once(database_url: str, closed_port: int) -> None:
+    env = clean_env(
+        OUTBOX_DATABASE_URL=database_url,
+        OUTBOX_STARTUP_TIMEOUT="60",
+        OUTBOX_AMQP_URL=f"amqp://guest:guest@127.0.0.1:{closed_port}/",
+    )
+    with RelayProcess(env) as proc:
+        proc.wait_for("waiting for RabbitMQ")
+        started = time.monotonic()
+        assert proc.stop(timeout=20) == 0, proc.output
+        assert time.monotonic() - started < 5
+    assert "stopped before it was ready" in proc.output

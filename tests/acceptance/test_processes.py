@@ -253,11 +253,13 @@ async def test_row_that_kills_its_relay_is_buried_and_spares_the_others(
     # spot (and the broker never sees that row). The test plays the supervisor that restarts it.
     await broker.declare()
     with psycopg.connect(database_url) as conn:
-        innocents = [str(relay.enqueue(conn, broker.exchange, f"k.{i}", b"fine"))
-                     for i in range(10)]  # fmt: skip
+        innocents = [
+            str(relay.enqueue(conn, broker.exchange, f"k.{i}", b"fine")) for i in range(10)
+        ]
         poison = str(relay.enqueue(conn, broker.exchange, "poison", b"POISON-PILL"))
-        innocents += [str(relay.enqueue(conn, broker.exchange, f"k.{i}", b"fine"))
-                      for i in range(10, 20)]  # fmt: skip
+        innocents += [
+            str(relay.enqueue(conn, broker.exchange, f"k.{i}", b"fine")) for i in range(10, 20)
+        ]
         conn.commit()
     target = urlsplit(amqp_url)
     deaths = 0

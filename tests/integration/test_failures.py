@@ -51,8 +51,11 @@ async def assert_all_delivered(broker: Broker, database_url: str, ids: list[Any]
     got = await broker.collect(len(ids), timeout=60, settle=0.3, distinct=True)
     copies = collections.Counter(g.message_id for g in got)
     assert set(copies) == {str(i) for i in ids}
-    sends = dict(await query(database_url, "SELECT message_id::text, attempts + ambiguous"
-                                           " FROM outbox.archive"))  # fmt: skip
+    sends = dict(
+        await query(
+            database_url, "SELECT message_id::text, attempts + ambiguous FROM outbox.archive"
+        )
+    )
     assert all(n <= sends[m] for m, n in copies.items()), "a copy no send explains"
     assert await scalar(database_url, "SELECT count(*) FROM outbox.archive") == len(ids)
     assert await scalar(database_url, "SELECT count(*) FROM outbox.messages") == 0
@@ -74,8 +77,9 @@ async def test_blocked_broker_is_not_fed_claims_until_it_unblocks(
 ) -> None:
     await broker.declare()
     # A short retry delay: without the blocked check, the relay would re-claim at once.
-    settings = settings_for(database_url, amqp_url, confirm_timeout=1, poll_interval=0.05,
-                            retry_delay=0.05)  # fmt: skip
+    settings = settings_for(
+        database_url, amqp_url, confirm_timeout=1, poll_interval=0.05, retry_delay=0.05
+    )
     async with running(settings) as parts:
 
         def claimed() -> float | None:
@@ -84,11 +88,19 @@ async def test_blocked_broker_is_not_fed_claims_until_it_unblocks(
         with memory_alarm(svc):
             ids = await enqueue(database_url, *messages(broker.exchange, 20))
             # The broker blocks the connection on its first publish; that batch times out.
-            await until_async(lambda: asyncio.sleep(0, parts.publisher.blocked), timeout=20,
-                              message="the broker to block the relay")  # fmt: skip
-            await until_async(lambda: scalar(database_url, "SELECT bool_and(claim_id IS NULL AND"
-                                                           " ambiguous = 1) FROM outbox.messages"),
-                              timeout=20, message="the blocked batch to be given back")  # fmt: skip
+            await until_async(
+                lambda: asyncio.sleep(0, parts.publisher.blocked),
+                timeout=20,
+                message="the broker to block the relay",
+            )
+            await until_async(
+                lambda: scalar(
+                    database_url,
+                    "SELECT bool_and(claim_id IS NULL AND ambiguous = 1) FROM outbox.messages",
+                ),
+                timeout=20,
+                message="the blocked batch to be given back",
+            )
             before = claimed()
             # Deliberately wait with no event: this checks that nothing is claimed meanwhile.
             await asyncio.sleep(1.5)
@@ -104,26 +116,33 @@ async def test_heartbeats_keep_a_slow_batch_from_being_claimed_twice(
 ) -> None:
     await broker.declare()
     with proxy_to(amqp_url, 5672) as proxy:
-        slow = settings_for(database_url, via(amqp_url, proxy), lease=1, confirm_timeout=30,
-                            relay_name="slow")  # fmt: skip
-        rescuer = settings_for(database_url, amqp_url, lease=1, relay_name="rescuer",
-                               poll_interval=0.1)  # fmt: skip
+        slow = settings_for(
+            database_url, via(amqp_url, proxy), lease=1, confirm_timeout=30, relay_name="slow"
+        )
+        rescuer = settings_for(
+            database_url, amqp_url, lease=1, relay_name="rescuer", poll_interval=0.1
+        )
         async with running(slow):
             await until_async(lambda: asyncio.sleep(0, proxy.accepted), message="a connection")
             proxy.pause()
             ids = await enqueue(database_url, *messages(broker.exchange, 10))
-            await until_async(lambda: scalar(database_url, "SELECT count(*) FROM outbox.messages"
-                                                           " WHERE claimed_by = 'slow'"),
-                              message="the slow relay's claim")  # fmt: skip
+            await until_async(
+                lambda: scalar(
+                    database_url, "SELECT count(*) FROM outbox.messages WHERE claimed_by = 'slow'"
+                ),
+                message="the slow relay's claim",
+            )
             async with running(rescuer):
                 # Three leases pass by the database's clock; the rescuer must not see orphans.
                 three_leases = (
                     "SELECT bool_and(now() > claimed_at + interval '3 s') FROM outbox.messages"
                 )
-                await until_async(lambda: scalar(database_url, three_leases), timeout=15,
-                                  message="three leases")  # fmt: skip
-                holders = await query(database_url, "SELECT DISTINCT claimed_by, claim_id"
-                                                    " FROM outbox.messages")  # fmt: skip
+                await until_async(
+                    lambda: scalar(database_url, three_leases), timeout=15, message="three leases"
+                )
+                holders = await query(
+                    database_url, "SELECT DISTINCT claimed_by, claim_id FROM outbox.messages"
+                )
                 assert len(holders) == 1
                 assert holders[0][0] == "slow"
                 proxy.resume()
@@ -142,7 +161,9 @@ async def test_undecodable_row_is_dead_lettered_and_the_others_flow(
         # Edited behind enqueue's back: valid jsonb, but deeper than Python's parser can go.
         await conn.execute(
             "UPDATE outbox.messages SET headers = (repeat('{\"a\":', 3000) || '1'"
-            " || repeat('}', 3000))::jsonb WHERE message_id = %s", [ids[2]])  # fmt: skip
+            " || repeat('}', 3000))::jsonb WHERE message_id = %s",
+            [ids[2]],
+        )
         await conn.commit()
     async with running(settings_for(database_url, amqp_url)):
         await wait_for_count(database_url, "dead", 1)
@@ -161,8 +182,11 @@ KILL_RELAY_SESSIONS = (
 
 async def reconnected(listener: Listener, before: int) -> None:
     """Wait until the LISTEN connection has come back since it had connected `before` times."""
-    await until_async(lambda: asyncio.sleep(0, listener.connects > before), timeout=30,
-                      message="the LISTEN connection to come back")  # fmt: skip
+    await until_async(
+        lambda: asyncio.sleep(0, listener.connects > before),
+        timeout=30,
+        message="the LISTEN connection to come back",
+    )
 
 
 class Traffic:
@@ -199,8 +223,10 @@ async def test_killed_database_sessions_are_survived(
     database_url: str, amqp_url: str, broker: Broker, caplog: pytest.LogCaptureFixture
 ) -> None:
     await broker.declare()
-    async with running(settings_for(database_url, amqp_url)) as parts, \
-            traffic(database_url, broker.exchange, 30) as flow:  # fmt: skip
+    async with (
+        running(settings_for(database_url, amqp_url)) as parts,
+        traffic(database_url, broker.exchange, 30) as flow,
+    ):
         for n in (100, 250, 400):
             await flow.reaches(n)
             before = parts.listener.connects
@@ -217,8 +243,10 @@ async def test_postgres_restart_is_survived(
     await broker.declare()
     async with running(settings_for(database_url, amqp_url)) as parts:
         first = await enqueue(database_url, *messages(broker.exchange, 300, "before"))
-        await until_async(lambda: scalar(database_url, "SELECT count(*) > 0 FROM outbox.archive"),
-                          message="traffic before the restart")  # fmt: skip
+        await until_async(
+            lambda: scalar(database_url, "SELECT count(*) > 0 FROM outbox.archive"),
+            message="traffic before the restart",
+        )
         before = parts.listener.connects
         await asyncio.to_thread(svc.database_ctl, "restart")
         await reconnected(parts.listener, before)
@@ -232,9 +260,11 @@ async def test_transactions_are_never_left_idle_across_a_slow_publish(
     # A relay that held a database transaction open while waiting for the broker (as the seeds'
     # Node relay does) would be killed by this setting during the stall below.
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
-        await conn.execute("DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET"
-                           " idle_in_transaction_session_timeout = ''100ms''',"
-                           " current_database()); END $$")  # fmt: skip
+        await conn.execute(
+            "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET"
+            " idle_in_transaction_session_timeout = ''100ms''',"
+            " current_database()); END $$"
+        )
     await broker.declare()
     caplog.set_level(logging.WARNING)
     with proxy_to(amqp_url, 5672) as proxy:
@@ -261,8 +291,11 @@ async def test_network_cut_to_postgres_is_survived(
         async with running(settings), traffic(database_url, broker.exchange, 30) as flow:
             await flow.reaches(100)
             proxy.cut()
-            await until_async(lambda: asyncio.sleep(0, _logged(caplog, "PostgreSQL unavailable")),
-                              timeout=30, message="the relay to notice")  # fmt: skip
+            await until_async(
+                lambda: asyncio.sleep(0, _logged(caplog, "PostgreSQL unavailable")),
+                timeout=30,
+                message="the relay to notice",
+            )
             proxy.restore()
             await assert_all_delivered(broker, database_url, await flow.finish())
 
@@ -277,8 +310,11 @@ async def test_network_cut_to_rabbitmq_is_survived(
         async with running(settings), traffic(database_url, broker.exchange, 30) as flow:
             await flow.reaches(100)
             proxy.cut()
-            await until_async(lambda: asyncio.sleep(0, _logged(caplog, "RabbitMQ unavailable")),
-                              timeout=30, message="the relay to notice")  # fmt: skip
+            await until_async(
+                lambda: asyncio.sleep(0, _logged(caplog, "RabbitMQ unavailable")),
+                timeout=30,
+                message="the relay to notice",
+            )
             proxy.restore()
             await assert_all_delivered(broker, database_url, await flow.finish())
 

@@ -266,8 +266,11 @@ async def test_malformed_header_closing_the_channel_is_found_and_the_rest_resent
     assert {g.routing_key for g in got} == {f"ok.{i}" for i in range(6)}
     # A message sent again after its first send was cut short says so (and may arrive twice).
     copies = collections.Counter(g.routing_key for g in got)
-    assert all(r.resent for r, key in zip(results, [f"ok.{i}" for i in range(6)], strict=True)
-               if copies[key] > 1)  # fmt: skip
+    assert all(
+        r.resent
+        for r, key in zip(results, [f"ok.{i}" for i in range(6)], strict=True)
+        if copies[key] > 1
+    )
 
 
 async def test_internal_exchange_is_access_refused_and_the_rest_delivered(
@@ -312,8 +315,12 @@ async def test_message_over_the_brokers_size_limit_is_too_large(
     try:
         big = b"x" * (broker_max_message_size + 1)
         results = await publisher.publish(
-            [message(broker.exchange, "a"), message(broker.exchange, "big", big),
-             message(broker.exchange, "c")])  # fmt: skip
+            [
+                message(broker.exchange, "a"),
+                message(broker.exchange, "big", big),
+                message(broker.exchange, "c"),
+            ]
+        )
         assert (results[1].outcome, results[1].reason) == (
             Outcome.REJECTED,
             model.DeadReason.TOO_LARGE,
@@ -321,8 +328,9 @@ async def test_message_over_the_brokers_size_limit_is_too_large(
         assert outcomes([results[0], results[2]]) == [Outcome.ACKED, Outcome.ACKED]
         # The limit is now known: the next oversized message is refused before it is sent, so the
         # channel (and the batch on it) is not disturbed again.
-        again = await publisher.publish([message(broker.exchange, "big2", big),
-                                         message(broker.exchange, "d")])  # fmt: skip
+        again = await publisher.publish(
+            [message(broker.exchange, "big2", big), message(broker.exchange, "d")]
+        )
         assert [(r.outcome, r.resent) for r in again] == [
             (Outcome.REJECTED, False),
             (Outcome.ACKED, False),

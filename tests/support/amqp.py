@@ -71,8 +71,15 @@ class Broker:
         async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
             await message.ack()
             message_id = str(message.message_id)
-            received.append(Received(message_id, message.routing_key or "", message.body,
-                                     dict(message.headers), message))  # fmt: skip
+            received.append(
+                Received(
+                    message_id,
+                    message.routing_key or "",
+                    message.body,
+                    dict(message.headers),
+                    message,
+                )
+            )
             ids.add(message_id)
             if (len(ids) if distinct else len(received)) >= count:
                 enough.set()

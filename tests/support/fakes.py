@@ -110,8 +110,11 @@ class MemoryStore:
 
     async def bury_exhausted(self, max_attempts: int) -> list[tuple[UUID, int]]:
         self._enter("bury_exhausted")
-        doomed = [r for r in self.rows.values() if r.claim_id is not None
-                  and r.available_at <= self.now and r.attempts >= max_attempts]  # fmt: skip
+        doomed = [
+            r
+            for r in self.rows.values()
+            if r.claim_id is not None and r.available_at <= self.now and r.attempts >= max_attempts
+        ]
         for row in doomed:
             self.dead.append(Settled(self.rows.pop(row.id), "max_attempts", "never settled"))
         return [(r.message_id, r.attempts) for r in doomed]

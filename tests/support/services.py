@@ -55,15 +55,20 @@ def _local_pg_ctlcluster() -> Callable[[str], None] | None:
     version = versions[-1].parent.name
 
     def ctl(verb: str) -> None:
-        subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", version, "main", verb],
-                       check=True, capture_output=True, timeout=120)  # fmt: skip
+        subprocess.run(
+            ["pg_ctlcluster", "--skip-systemctl-redirect", version, "main", verb],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
 
     return ctl
 
 
 def _local_rabbitmqctl(*args: str) -> str:
-    done = subprocess.run(["rabbitmqctl", "-q", *args], check=True, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        ["rabbitmqctl", "-q", *args], check=True, capture_output=True, text=True, timeout=120
+    )
     return done.stdout
 
 

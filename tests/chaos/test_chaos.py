@@ -1,0 +1,26 @@
+"""The chaos suite's short form, as CI runs it (the long form: see tests/chaos/chaos.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.chaos import chaos
+from tests.support.services import Services
+
+pytestmark = pytest.mark.slow
+
+
+def test_chaos_short_form(svc: Services) -> None:
+    report = chaos.run(svc, chaos.Plan(messages=3000, kills=6, kill_every=2.0))
+    print("\n".join(report.lines()))  # shown with -s, and on failure
+    assert report.broker_restarts == 1
+    assert report.sessions_terminated >= 1
+    assert report.kills == 6
+    assert report.lost == 0
+    assert report.leaked == 0
+    assert report.strangers == 0
+    assert report.unexplained == 0
+    assert report.left_in_messages == 0
+    assert report.archived == report.committed >= 3000
+    assert report.dead == 0
+    assert report.relay_exit_codes == [0, 0, 0]
