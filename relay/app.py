@@ -112,16 +112,31 @@ async def components(
         listener = Listener(database_url, settings.db_schema, wake)
         counters = metrics.Metrics()
         relay = loop.Relay(store, publisher, options(settings), wake=wake, on_cycle=counters.record)
-        listening = asyncio.create_task(listener.run(), name="outbox-listener")
+        background = [
+            asyncio.create_task(listener.run(), name="outbox-listener"),
+            asyncio.create_task(_watch_gauges(store, counters), name="outbox-gauges"),
+        ]
         try:
             yield Components(settings, store, publisher, listener, relay, counters)
         finally:
-            listening.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await listening
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
     finally:
         await publisher.close()
         await store.close()
+
+
+#: How often the gauges that need a query (blocked keys) are refreshed.
+GAUGE_INTERVAL = 10.0
+
+
+async def _watch_gauges(store: PgStore, counters: metrics.Metrics) -> None:
+    """Refresh query-backed gauges on an interval (one cheap query, not one per scrape)."""
+    while True:
+        with contextlib.suppress(errors.TransientError):
+            counters.blocked_keys.set(await store.blocked_key_count())
+        await asyncio.sleep(GAUGE_INTERVAL)
 
 
 async def run(

@@ -12,6 +12,10 @@ class ConfigError(RelayError, ValueError):
     """A setting is missing or malformed (raised before anything connects)."""
 
 
+class InvalidArgument(RelayError, ValueError):
+    """An operator command or API call was given an argument it cannot use; nothing changed."""
+
+
 class InvalidMessage(RelayError, ValueError):
     """`enqueue` was given arguments that cannot become an AMQP message; nothing was written."""
 

@@ -7,6 +7,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from uuid import UUID
 
@@ -119,6 +120,7 @@ class Relay:
         self._on_cycle = on_cycle
         self._stopping = asyncio.Event()  # claim nothing more; give back what is not yet sent
         self._abort = asyncio.Event()  # the shutdown grace is over: stop waiting for confirms
+        self._next_orphan_check = 0.0
 
     async def run_once(self) -> model.CycleReport:
         """One cycle: bury orphans that used up their attempts, publish a batch of due rows, then
@@ -128,10 +130,20 @@ class Relay:
         await self._publisher.connect()  # never lease rows we could not publish
         if self._publisher.blocked:
             return model.CycleReport(blocked=True)
-        report = await self._bury()
-        report = report.combine(
-            await self._work(await self._store.claim(self._options.batch_size, self._options.lease))
+        report = await self._work(
+            await self._store.claim(self._options.batch_size, self._options.lease)
         )
+        if time.monotonic() >= self._next_orphan_check:
+            report = report.combine(await self._orphans())
+        if self._on_cycle is not None:
+            self._on_cycle(report)
+        return report
+
+    async def _orphans(self) -> model.CycleReport:
+        """Bury orphans that used up their attempts, then take the others one at a time. Orphans
+        appear only when a lease runs out, so looking twice per lease is often enough."""
+        self._next_orphan_check = time.monotonic() + self._options.lease / 2
+        report = await self._bury()
         for _ in range(self._options.batch_size):
             if self._stopping.is_set() or self._publisher.blocked:
                 break
@@ -139,8 +151,6 @@ class Relay:
             if not orphan.messages:
                 break
             report = report.combine(await self._work(orphan))
-        if self._on_cycle is not None:
-            self._on_cycle(report)
         return report
 
     async def run_until_empty(self) -> model.CycleReport:
@@ -161,7 +171,10 @@ class Relay:
             while not stop.is_set():
                 self.wake.clear()
                 report = await self._cycle(stop)
+                # Straight on while batches come back full, or when settles freed keyed rows.
                 if report is None or report.claimed >= self._options.batch_size:
+                    continue
+                if report.settled.released:
                     continue
                 if report.blocked:
                     await self._wait_unblocked(stop)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from relay import model
 
@@ -50,6 +50,11 @@ class Metrics:
         self.buried = Counter(
             "outbox_buried",
             "Orphans moved to dead unread after their relays kept dying on them.",
+            registry=self.registry,
+        )
+        self.blocked_keys = Gauge(
+            "outbox_blocked_keys",
+            "Ordering keys held because one of their messages was dead-lettered (policy 'block').",
             registry=self.registry,
         )
         for outcome in model.Outcome:

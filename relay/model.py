@@ -15,6 +15,7 @@ _K = TypeVar("_K")
 RESERVED_HEADER_PREFIX = "x-outbox-"
 ATTEMPT_HEADER = "x-outbox-attempt"
 ORDERING_KEY_HEADER = "x-outbox-ordering-key"
+SEQUENCE_HEADER = "x-outbox-sequence"  # 1, 2, 3… within an ordering key, in commit order
 
 #: The AMQP basic properties a producer may set through `properties` (the rest are the relay's).
 SETTABLE_PROPERTIES = frozenset(
@@ -51,6 +52,8 @@ class OutboxMessage:
     last_error: str | None = None
     #: Why the stored row cannot be read back as a message (then it is dead-lettered unpublished).
     invalid: str | None = None
+    #: Its number within its ordering key (None without a key).
+    seq: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -140,6 +143,10 @@ class SettleCounts:
     dead: int = 0
     retried: int = 0
     fenced: int = 0
+    #: Keyed rows that became free to go because the row before them settled.
+    released: int = 0
+    #: Keys blocked because one of their messages was dead-lettered (strict policy).
+    blocked: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -189,3 +196,4 @@ class Stats:
     archived: int
     dead: int
     dead_by_reason: Mapping[str, int]
+    blocked_keys: int = 0

@@ -352,6 +352,8 @@ class AmqpPublisher:
         headers[model.ATTEMPT_HEADER] = message.attempts
         if message.ordering_key is not None:
             headers[model.ORDERING_KEY_HEADER] = message.ordering_key
+        if message.seq is not None:
+            headers[model.SEQUENCE_HEADER] = message.seq
         try:
             _check_field_names(headers)
             properties = commands.Basic.Properties(

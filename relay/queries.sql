@@ -2,14 +2,15 @@
 -- and `{new_channel}` by the quoted NOTIFY channel; nothing else is ever spliced into these texts.
 
 -- name: claim_batch
--- Lease up to %(limit)s due, unclaimed rows under a new claim id, counting the attempt. SKIP LOCKED
+-- Lease up to %(limit)s due, unclaimed rows that may go now (not gated behind an earlier message
+-- of their key) under a new claim id, counting the attempt. SKIP LOCKED
 -- lets replicas claim side by side; leases are judged by the database clock, never a relay's.
 -- headers and properties come back as text: the relay decodes them row by row, so one row it cannot
 -- read is dead-lettered on its own instead of failing the whole claim.
 WITH due AS MATERIALIZED (
     SELECT id
     FROM {schema}.messages
-    WHERE claim_id IS NULL AND available_at <= now()
+    WHERE claim_id IS NULL AND NOT gated AND available_at <= now()
     ORDER BY available_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -23,7 +24,8 @@ SET attempts = m.attempts + 1,
 FROM due
 WHERE m.id = due.id
 RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.body, m.headers::text,
-          m.properties::text, m.ordering_key, m.created_at, m.attempts, m.ambiguous, m.last_error;
+          m.properties::text, m.ordering_key, m.created_at, m.attempts, m.ambiguous, m.last_error,
+          m.seq;
 
 -- name: claim_orphans
 -- The same for orphans: rows whose lease ran out without a settle because their relay died.
@@ -45,11 +47,12 @@ SET attempts = m.attempts + 1,
 FROM due
 WHERE m.id = due.id
 RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.body, m.headers::text,
-          m.properties::text, m.ordering_key, m.created_at, m.attempts, m.ambiguous, m.last_error;
+          m.properties::text, m.ordering_key, m.created_at, m.attempts, m.ambiguous, m.last_error,
+          m.seq;
 
 -- name: bury_exhausted
 -- Orphans that used up their attempts go to dead here, in SQL: their body never reaches a relay,
--- because reading it may be exactly what kills relays.
+-- because reading it may be exactly what kills relays. Keyed ones are then passed to keys_settled.
 WITH gone AS (
     DELETE FROM {schema}.messages
     WHERE id IN (
@@ -60,18 +63,18 @@ WITH gone AS (
         LIMIT 100
         FOR UPDATE SKIP LOCKED
     )
-    RETURNING message_id, exchange, routing_key, body, headers, properties, ordering_key,
+    RETURNING message_id, exchange, routing_key, body, headers, properties, ordering_key, seq,
               attempts, ambiguous, created_at, claimed_by, last_error
 )
 INSERT INTO {schema}.dead (message_id, exchange, routing_key, body, headers, properties,
-                           ordering_key, attempts, ambiguous, created_at, reason, detail)
-SELECT message_id, exchange, routing_key, body, headers, properties, ordering_key,
+                           ordering_key, seq, attempts, ambiguous, created_at, reason, detail)
+SELECT message_id, exchange, routing_key, body, headers, properties, ordering_key, seq,
        attempts, ambiguous, created_at, 'max_attempts',
        format('claimed %%s times and never settled: the relays publishing it died or lost '
               'their lease (last claimed by %%s; last error: %%s)',
               attempts, coalesce(claimed_by, 'unknown'), coalesce(last_error, 'none'))
 FROM gone
-RETURNING message_id, attempts;
+RETURNING message_id, attempts, ordering_key, seq, reason;
 
 -- name: extend_leases
 -- A heartbeat: push the lease of rows this claim still holds; rows re-claimed elsewhere are skipped.
@@ -86,18 +89,20 @@ SET ambiguous = ambiguous + 1
 WHERE id = ANY(%(ids)s::bigint[]) AND claim_id = %(claim_id)s;
 
 -- name: archive_published
--- Move confirmed rows to the archive. Rows whose claim_id changed (re-claimed elsewhere) are left alone.
+-- Move confirmed rows to the archive. Rows whose claim_id changed (re-claimed elsewhere) are left
+-- alone. Returns the keyed ones, for keys_settled.
 WITH done AS (
     DELETE FROM {schema}.messages
     WHERE id = ANY(%(ids)s::bigint[]) AND claim_id = %(claim_id)s
-    RETURNING message_id, exchange, routing_key, body, headers, properties, ordering_key,
+    RETURNING message_id, exchange, routing_key, body, headers, properties, ordering_key, seq,
               attempts, ambiguous, created_at
 )
 INSERT INTO {schema}.archive (message_id, exchange, routing_key, body, headers, properties,
-                              ordering_key, attempts, ambiguous, created_at)
-SELECT message_id, exchange, routing_key, body, headers, properties, ordering_key,
+                              ordering_key, seq, attempts, ambiguous, created_at)
+SELECT message_id, exchange, routing_key, body, headers, properties, ordering_key, seq,
        attempts, ambiguous, created_at
-FROM done;
+FROM done
+RETURNING message_id, ordering_key, seq, NULL::text AS reason;
 
 -- name: dead_letter
 -- Move failed rows to dead with a reason each, under the same fence as archive_published.
@@ -109,13 +114,20 @@ WITH failed AS (
     USING failed AS f
     WHERE m.id = f.id AND m.claim_id = %(claim_id)s
     RETURNING m.message_id, m.exchange, m.routing_key, m.body, m.headers, m.properties,
-              m.ordering_key, m.attempts, m.ambiguous, m.created_at, f.reason, f.detail
+              m.ordering_key, m.seq, m.attempts, m.ambiguous, m.created_at, f.reason, f.detail
 )
 INSERT INTO {schema}.dead (message_id, exchange, routing_key, body, headers, properties,
-                           ordering_key, attempts, ambiguous, created_at, reason, detail)
-SELECT message_id, exchange, routing_key, body, headers, properties, ordering_key,
+                           ordering_key, seq, attempts, ambiguous, created_at, reason, detail)
+SELECT message_id, exchange, routing_key, body, headers, properties, ordering_key, seq,
        attempts, ambiguous, created_at, reason, detail
-FROM gone;
+FROM gone
+RETURNING message_id, ordering_key, seq, reason;
+
+-- name: keys_settled
+-- Keyed rows just archived or dead-lettered: release each key's next row, or block the key.
+SELECT released, blocked
+FROM {schema}._keys_settled(%(keys)s::text[], %(seqs)s::bigint[], %(reasons)s::text[],
+                            %(message_ids)s::uuid[]);
 
 -- name: retry_later
 -- End the lease of rows to be tried again after a delay each. A refund gives back the attempt the
@@ -145,6 +157,9 @@ FROM (
     SELECT created_at, available_at, claim_id IS NOT NULL AND available_at > now() AS leased
     FROM {schema}.messages
 ) AS m;
+
+-- name: blocked_key_count
+SELECT count(*) FROM {schema}.blocked_keys;
 
 -- name: archive_count
 SELECT count(*) FROM {schema}.archive;
@@ -195,3 +210,31 @@ VALUES (%(version)s, %(name)s, %(checksum)s);
 
 -- name: schema_version
 SELECT coalesce(max(version), 0) FROM {schema}.schema_migrations;
+
+-- name: blocked_keys
+-- Keys held by the 'block' policy, oldest first, with how many messages wait behind each.
+SELECT b.ordering_key, b.message_id, b.seq, b.reason, b.blocked_at,
+       (SELECT count(*) FROM {schema}.messages m WHERE m.ordering_key = b.ordering_key) AS waiting
+FROM {schema}.blocked_keys AS b
+ORDER BY b.blocked_at, b.ordering_key;
+
+-- name: release_key
+SELECT {schema}.release_key(%(key)s, %(replay)s);
+
+-- name: key_policies
+SELECT prefix, on_dead, concurrency, extract(epoch FROM min_interval)::float8
+FROM {schema}.key_policies
+ORDER BY prefix;
+
+-- name: set_key_policy
+INSERT INTO {schema}.key_policies AS p (prefix, on_dead, concurrency, min_interval)
+VALUES (%(prefix)s, coalesce(%(on_dead)s, 'block'), coalesce(%(concurrency)s, 1),
+        make_interval(secs => coalesce(%(min_interval)s, 0)))
+ON CONFLICT (prefix) DO UPDATE
+SET on_dead = coalesce(%(on_dead)s, p.on_dead),
+    concurrency = coalesce(%(concurrency)s, p.concurrency),
+    min_interval = coalesce(make_interval(secs => %(min_interval)s), p.min_interval)
+RETURNING prefix, on_dead, concurrency, extract(epoch FROM min_interval)::float8;
+
+-- name: delete_key_policy
+DELETE FROM {schema}.key_policies WHERE prefix = %(prefix)s AND prefix <> '';

@@ -24,8 +24,10 @@ class Queries:
     mark_resent: LiteralString
     archive_published: LiteralString
     dead_letter: LiteralString
+    keys_settled: LiteralString
     retry_later: LiteralString
     message_stats: LiteralString
+    blocked_key_count: LiteralString
     archive_count: LiteralString
     dead_by_reason: LiteralString
     listen: LiteralString
@@ -38,6 +40,11 @@ class Queries:
     migration_search_path: LiteralString
     record_migration: LiteralString
     schema_version: LiteralString
+    blocked_keys: LiteralString
+    release_key: LiteralString
+    key_policies: LiteralString
+    set_key_policy: LiteralString
+    delete_key_policy: LiteralString
 
 
 def parse(text: str) -> dict[str, str]:

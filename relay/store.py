@@ -11,6 +11,7 @@ from uuid import UUID
 
 import psycopg
 import psycopg_pool
+from psycopg.rows import namedtuple_row
 
 from relay import config, errors, model, pg, sql
 from relay.pg import translate_errors
@@ -100,14 +101,17 @@ class PgStore:
             "claimed_by": self._relay_name,
         }
         async with self._connection() as conn:
-            cur = await conn.execute(query, params)
+            cur = conn.cursor(row_factory=namedtuple_row)
+            await cur.execute(query, params)
             rows = await cur.fetchall()
         return model.Claim(claim_id, tuple(_message(row) for row in rows))
 
     async def bury_exhausted(self, max_attempts: int) -> list[tuple[UUID, int]]:
-        async with self._connection() as conn:
+        async with self._connection() as conn, conn.transaction():
             cur = await conn.execute(self._q.bury_exhausted, {"max_attempts": max_attempts})
-            return [(UUID(str(m)), int(n)) for m, n in await cur.fetchall()]
+            rows = await cur.fetchall()
+            await self._keys_settled(conn, [(m, key, seq, why) for m, _, key, seq, why in rows])
+        return [(UUID(str(m)), int(n)) for m, n, *_ in rows]
 
     async def extend(self, claim_id: UUID, ids: Sequence[int], lease: float) -> int:
         params = {"claim_id": claim_id, "ids": list(ids), "lease": lease}
@@ -116,7 +120,9 @@ class PgStore:
             return cur.rowcount
 
     async def settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:
-        archived = dead = retried = 0
+        archived: list[Any] = []
+        dead: list[Any] = []
+        retried = 0
         async with self._connection() as conn, conn.transaction():
             if settlement.resent:
                 await conn.execute(
@@ -127,15 +133,38 @@ class PgStore:
                     self._q.archive_published,
                     {"ids": list(settlement.archive), "claim_id": claim_id},
                 )
-                archived = cur.rowcount
+                archived = await cur.fetchall()
             if settlement.dead:
                 cur = await conn.execute(self._q.dead_letter, _dead_params(claim_id, settlement))
-                dead = cur.rowcount
+                dead = await cur.fetchall()
             if settlement.retry:
                 cur = await conn.execute(self._q.retry_later, _retry_params(claim_id, settlement))
                 retried = cur.rowcount
-        fenced = settlement.size - archived - dead - retried
-        return model.SettleCounts(archived, dead, retried, fenced)
+            released, blocked = await self._keys_settled(conn, [*archived, *dead])
+        fenced = settlement.size - len(archived) - len(dead) - retried
+        return model.SettleCounts(len(archived), len(dead), retried, fenced, released, blocked)
+
+    async def _keys_settled(
+        self, conn: psycopg.AsyncConnection[Any], rows: Sequence[Any]
+    ) -> tuple[int, int]:
+        """Release the next row of each key settled here (or block the key), in the settle's
+        transaction. `rows` are (message_id, ordering_key, seq, dead reason or None)."""
+        keyed = [row for row in rows if row[1] is not None]
+        if not keyed:
+            return 0, 0
+        message_ids, keys, seqs, reasons = (list(column) for column in zip(*keyed, strict=True))
+        cur = await conn.execute(
+            self._q.keys_settled,
+            {"keys": keys, "seqs": seqs, "reasons": reasons, "message_ids": message_ids},
+        )
+        released, blocked = await _one(cur)
+        return int(released), int(blocked)
+
+    async def blocked_key_count(self) -> int:
+        async with self._connection() as conn:
+            cur = await conn.execute(self._q.blocked_key_count)
+            (count,) = await _one(cur)
+        return int(count)
 
     async def stats(self) -> model.Stats:
         async with self._connection() as conn:
@@ -143,6 +172,8 @@ class PgStore:
             pending, due, scheduled, in_flight, oldest = await _one(cur)
             cur = await conn.execute(self._q.archive_count)
             (archived,) = await _one(cur)
+            cur = await conn.execute(self._q.blocked_key_count)
+            (blocked_keys,) = await _one(cur)
             cur = await conn.execute(self._q.dead_by_reason)
             by_reason = {str(reason): int(n) for reason, n in await cur.fetchall()}
         return model.Stats(
@@ -154,6 +185,7 @@ class PgStore:
             archived=archived,
             dead=sum(by_reason.values()),
             dead_by_reason=by_reason,
+            blocked_keys=blocked_keys,
         )
 
 
@@ -166,40 +198,27 @@ async def _one(cur: psycopg.AsyncCursor[Any]) -> Any:
 def _message(row: Any) -> model.OutboxMessage:
     """A claimed row as a message. JSON that will not decode (a row edited by hand, nesting deeper
     than Python's parser goes) marks this one message invalid instead of failing the claim."""
-    (
-        id_,
-        message_id,
-        exchange,
-        routing_key,
-        body,
-        headers,
-        properties,
-        ordering_key,
-        created_at,
-        attempts,
-        ambiguous,
-        last_error,
-    ) = row
     invalid = None
     try:
-        headers, properties = json.loads(headers), json.loads(properties)
+        headers, properties = json.loads(row.headers), json.loads(row.properties)
     except (ValueError, RecursionError) as exc:
         headers, properties = {}, {}
         invalid = f"stored headers or properties cannot be decoded: {type(exc).__name__}"
     return model.OutboxMessage(
-        id=id_,
-        message_id=message_id,
-        exchange=exchange,
-        routing_key=routing_key,
-        body=bytes(body),
+        id=row.id,
+        message_id=row.message_id,
+        exchange=row.exchange,
+        routing_key=row.routing_key,
+        body=bytes(row.body),
         headers=headers,
         properties=properties,
-        ordering_key=ordering_key,
-        created_at=created_at,
-        attempts=attempts,
-        ambiguous=ambiguous,
-        last_error=last_error,
+        ordering_key=row.ordering_key,
+        created_at=row.created_at,
+        attempts=row.attempts,
+        ambiguous=row.ambiguous,
+        last_error=row.last_error,
         invalid=invalid,
+        seq=row.seq,
     )
 
 

@@ -49,6 +49,7 @@ def test_migrate_twice_then_stats(empty_database_url: str) -> None:
     assert stats.returncode == 0, stats.stderr
     assert json.loads(stats.stdout) == {
         "archived": 0,
+        "blocked_keys": 0,
         "dead": 0,
         "dead_by_reason": {},
         "due": 0,

@@ -1,6 +1,7 @@
 """Drain benchmark: how fast one `outbox-relay run` empties a backlog (not part of the test suite).
 
     .venv/bin/python tests/benchmarks/drain.py [--messages 20000] [--size 1024] [--replicas 1]
+                                               [--keys 100]
 
 It creates a scratch database, migrates it, enqueues the backlog in one transaction, declares a
 durable queue bound to the exchange, then times `outbox-relay run --until-empty` from the moment
@@ -83,6 +84,12 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1024, help="body bytes")
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=500)
+    parser.add_argument(
+        "--keys",
+        type=int,
+        default=0,
+        help="spread the messages over this many ordering keys (0: unkeyed)",
+    )
     args = parser.parse_args()
     with services.discover() as svc:
         name = f"outbox_bench_{uuid.uuid4().hex[:8]}"
@@ -95,9 +102,10 @@ def main() -> None:
             asyncio.run(declare(svc.amqp_url, exchange, queue))
             with psycopg.connect(url) as conn:
                 conn.execute(
-                    "SELECT outbox.enqueue(%s, 'bench.' || i, convert_to(repeat('x', %s),"
-                    " 'UTF8')) FROM generate_series(1, %s) AS i",
-                    [exchange, args.size, args.messages],
+                    "SELECT outbox.enqueue(%s, 'bench.' || i, convert_to(repeat('x', %s), 'UTF8'),"
+                    " ordering_key => CASE WHEN %s > 0 THEN 'key-' || i %% %s END)"
+                    " FROM generate_series(1, %s) AS i",
+                    [exchange, args.size, args.keys, max(args.keys, 1), args.messages],
                 )
                 conn.commit()
             elapsed = drain(url, svc.amqp_url, args.replicas, args.batch_size)
@@ -105,7 +113,8 @@ def main() -> None:
             with psycopg.connect(url) as conn:
                 archived = conn.execute("SELECT count(*) FROM outbox.archive").fetchone()
             print(
-                f"drain: {args.messages} messages of {args.size} B, {args.replicas} replica(s), "
+                f"drain: {args.messages} messages of {args.size} B"
+                f"{f', {args.keys} keys' if args.keys else ''}, {args.replicas} replica(s), "
                 f"batch {args.batch_size}: {elapsed:.2f}s = {args.messages / elapsed:,.0f} msg/s "
                 f"(archived {archived[0] if archived else '?'}, in queue {delivered})"
             )
