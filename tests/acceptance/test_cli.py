@@ -176,3 +176,59 @@ def test_sigterm_while_starting_exits_zero_at_once(database_url: str, closed_por
         assert proc.stop(timeout=20) == 0, proc.output
         assert time.monotonic() - started < 5
     assert "stopped before it was ready" in proc.output
+
+
+def test_keys_commands(database_url: str) -> None:
+    env = clean_env(OUTBOX_DATABASE_URL=database_url)
+    with psycopg.connect(database_url) as conn:  # a key blocked by a dead message, two waiting
+        conn.execute("INSERT INTO outbox.keys VALUES ('order-9', 3, 1, '0', NULL)")
+        conn.execute(
+            "INSERT INTO outbox.blocked_keys (ordering_key, message_id, seq, reason)"
+            " VALUES ('order-9', gen_random_uuid(), 1, 'unroutable')"
+        )
+        conn.execute(
+            "INSERT INTO outbox.messages (message_id, exchange, routing_key, body,"
+            " ordering_key, seq, gated) SELECT gen_random_uuid(), 'x', 'k', '',"
+            " 'order-9', i, true FROM generate_series(2, 3) i"
+        )
+        conn.commit()
+    listed = run_cli("keys", "blocked", "--json", env=env)
+    assert listed.returncode == 0, listed.stderr
+    (entry,) = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert (entry["ordering_key"], entry["seq"], entry["reason"], entry["waiting"]) == (
+        "order-9",
+        1,
+        "unroutable",
+        2,
+    )
+    released = run_cli("keys", "release", "order-9", env=env)
+    assert released.stdout.strip() == "released 'order-9': skipping its dead message"
+    with psycopg.connect(database_url) as conn:
+        gates = conn.execute("SELECT seq, gated FROM outbox.messages ORDER BY seq").fetchall()
+    assert gates == [(2, False), (3, True)]  # the next one goes; the one after waits its turn
+    assert run_cli("keys", "blocked", env=env).stdout.strip() == "no blocked keys"
+    assert_one_line_error(run_cli("keys", "release", "order-9", env=env), 2, "is not blocked")
+
+
+def test_key_policy_commands(database_url: str) -> None:
+    env = clean_env(OUTBOX_DATABASE_URL=database_url)
+    made = run_cli(
+        "keys", "policy", "set", "slow.", "--min-interval", "250ms", "--on-dead", "skip", env=env
+    )
+    assert made.returncode == 0, made.stderr
+    assert "'slow.'" in made.stdout
+    assert "min interval: 0.25s" in made.stdout
+    listed = run_cli("keys", "policy", "list", env=env).stdout.splitlines()
+    assert [line.split()[0] for line in listed] == ["''", "'slow.'"]
+    assert_one_line_error(
+        run_cli("keys", "policy", "set", "x", "--concurrency", "0", env=env),
+        2,
+        "concurrency must be from 1 to 1000",
+    )
+    assert_one_line_error(
+        run_cli("keys", "policy", "set", "x", "--min-interval", "soon", env=env),
+        2,
+        "not a duration",
+    )
+    assert_one_line_error(run_cli("keys", "policy", "delete", "", env=env), 2, "default stays")
+    assert run_cli("keys", "policy", "delete", "slow.", env=env).returncode == 0

@@ -64,6 +64,8 @@ class Report:
     strangers: int = 0  # delivered but never enqueued by this run
     duplicates: int = 0
     unexplained: int = 0  # copies beyond what the archive row's sends explain
+    keyed: int = 0  # distinct keyed messages delivered
+    out_of_order: int = 0  # keys whose first arrivals were not numbered 1, 2, 3…
     left_in_messages: int = 0
     archived: int = 0
     dead: int = 0
@@ -80,6 +82,7 @@ class Report:
             and self.leaked == 0
             and self.strangers == 0
             and self.unexplained == 0
+            and self.out_of_order == 0
             and self.left_in_messages == 0
             and self.archived == self.committed
             and self.dead == 0
@@ -96,6 +99,8 @@ class Report:
             f"never enqueued             {self.strangers}  (must be 0)",
             f"duplicates                 {self.duplicates}  of {self.copies} received",
             f"  unexplained by sends     {self.unexplained}  (must be 0)",
+            f"keyed (50 keys)            {self.keyed}",
+            f"  keys out of order        {self.out_of_order}  (must be 0)",
             f"rows left in messages      {self.left_in_messages}  (must be 0)",
             f"archived                   {self.archived}  (must equal committed)",
             f"dead                       {self.dead}  (must be 0)",
@@ -161,8 +166,14 @@ class Producers:
                     time.sleep(ahead / self._plan.messages_per_second)  # keep to the planned rate
                     continue
                 size = rng.randint(1, 50)
+                # Half the transactions write to one of 50 ordering keys.
+                key = f"chaos-{rng.randrange(50)}" if rng.random() < 0.5 else None
                 ids = [
-                    str(relay.enqueue(conn, self._exchange, f"p{n}", {"producer": n, "i": i}))
+                    str(
+                        relay.enqueue(
+                            conn, self._exchange, f"p{n}", {"producer": n, "i": i}, ordering_key=key
+                        )
+                    )
                     for i in range(size)
                 ]
                 if rng.random() < 0.1:
@@ -215,10 +226,13 @@ async def _declare(amqp_url: str, name: str) -> None:
         await queue.bind(exchange, "#")
 
 
-async def _drain(amqp_url: str, name: str, expected: set[str]) -> list[str]:
-    """Every message in the queue (each message_id, in arrival order); stops once every expected
-    id arrived and the queue has been quiet for a second."""
-    received: list[str] = []
+Arrival = tuple[str, str | None, int | None]  # message_id, ordering key, sequence
+
+
+async def _drain(amqp_url: str, name: str, expected: set[str]) -> list[Arrival]:
+    """Every message in the queue, in arrival order; stops once every expected id arrived and
+    the queue has been quiet for a second."""
+    received: list[Arrival] = []
     seen: set[str] = set()
     last = time.monotonic()
     async with await aio_pika.connect(amqp_url) as connection:
@@ -235,8 +249,10 @@ async def _drain(amqp_url: str, name: str, expected: set[str]) -> list[str]:
                         break
                     continue
                 await message.ack()
-                received.append(str(message.message_id))
-                seen.add(received[-1])
+                key = message.headers.get("x-outbox-ordering-key")
+                seq = message.headers.get("x-outbox-sequence")
+                received.append((str(message.message_id), key, seq))  # type: ignore[arg-type]
+                seen.add(received[-1][0])
                 last = time.monotonic()
         await channel.queue_delete(name)
         await channel.exchange_delete(name)
@@ -333,8 +349,9 @@ def _disrupt(
     echo(f"chaos: terminated {report.sessions_terminated} relay database sessions")
 
 
-def _tally(report: Report, url: str, producers: Producers, received: list[str]) -> None:
-    copies = collections.Counter(received)
+def _tally(report: Report, url: str, producers: Producers, received: list[Arrival]) -> None:
+    copies = collections.Counter(m for m, _, _ in received)
+    report.keyed, report.out_of_order = _order(received)
     committed = producers.committed
     report.committed = len(committed)
     report.rolled_back = len(producers.rolled_back)
@@ -351,6 +368,19 @@ def _tally(report: Report, url: str, producers: Producers, received: list[str]) 
     report.left_in_messages = _scalar(url, "SELECT count(*) FROM outbox.messages")
     report.archived = _scalar(url, "SELECT count(*) FROM outbox.archive")
     report.dead = _scalar(url, "SELECT count(*) FROM outbox.dead")
+
+
+def _order(received: list[Arrival]) -> tuple[int, int]:
+    """How many keyed messages arrived, and how many keys broke order: each key's messages, by
+    first arrival (copies may repeat), must be numbered 1, 2, 3… with nothing skipped."""
+    firsts: dict[str, list[int]] = collections.defaultdict(list)
+    seen: set[str] = set()
+    for message_id, key, seq in received:
+        if key is not None and seq is not None and message_id not in seen:
+            firsts[key].append(seq)
+        seen.add(message_id)
+    broken = sum(seqs != list(range(1, len(seqs) + 1)) for seqs in firsts.values())
+    return sum(len(seqs) for seqs in firsts.values()), broken
 
 
 def main() -> None:
