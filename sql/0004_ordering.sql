@@ -236,32 +236,24 @@ BEGIN
 END;
 $$;
 
--- enqueue, now numbering keyed messages.
-CREATE OR REPLACE FUNCTION _enqueue(
-    p_exchange             text,
-    p_routing_key          text,
-    p_body                 bytea,
-    p_headers              jsonb,
-    p_properties           jsonb,
-    p_available_at         timestamptz,
-    p_ordering_key         text,
-    p_message_id           uuid,
-    p_default_content_type text
-) RETURNS uuid
+-- enqueue's argument checks, in a function of their own so that later changes to enqueue need
+-- not restate them. Raises SQLSTATE 22023 naming the argument; returns nothing.
+CREATE FUNCTION _check_message(
+    p_exchange     text,
+    p_routing_key  text,
+    p_body         bytea,
+    p_headers      jsonb,
+    p_properties   jsonb,
+    p_due          timestamptz,
+    p_ordering_key text
+) RETURNS void
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
 DECLARE
-    v_limits     settings%ROWTYPE;
-    v_headers    jsonb := coalesce(p_headers, '{}');
-    v_properties jsonb := coalesce(p_properties, '{}');
-    v_now        timestamptz := clock_timestamp();
-    v_due        timestamptz := coalesce(p_available_at, v_now);
-    v_message_id uuid := coalesce(p_message_id, gen_random_uuid());
-    v_seq        bigint;
-    v_gated      boolean := false;
-    v_key        text;
-    v_value      jsonb;
+    v_limits settings%ROWTYPE;
+    v_key    text;
+    v_value  jsonb;
 BEGIN
     SELECT * INTO STRICT v_limits FROM settings;
 
@@ -297,22 +289,22 @@ BEGIN
         RAISE EXCEPTION 'enqueue: ordering_key must be 1 to 255 bytes, or NULL for no ordering'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    IF v_due = 'infinity' THEN
+    IF p_due = 'infinity' THEN
         RAISE EXCEPTION 'enqueue: available_at must be a finite time'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
 
-    IF jsonb_typeof(v_headers) <> 'object' THEN
-        RAISE EXCEPTION 'enqueue: headers must be a JSON object, not %', jsonb_typeof(v_headers)
+    IF jsonb_typeof(p_headers) <> 'object' THEN
+        RAISE EXCEPTION 'enqueue: headers must be a JSON object, not %', jsonb_typeof(p_headers)
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    IF octet_length(v_headers::text) > v_limits.max_header_bytes THEN
+    IF octet_length(p_headers::text) > v_limits.max_header_bytes THEN
         RAISE EXCEPTION 'enqueue: headers are % bytes as JSON; the limit is % bytes',
-            octet_length(v_headers::text), v_limits.max_header_bytes
+            octet_length(p_headers::text), v_limits.max_header_bytes
             USING ERRCODE = 'invalid_parameter_value',
                   HINT = 'The limit is settings.max_header_bytes in the outbox schema.';
     END IF;
-    FOR v_key IN SELECT jsonb_object_keys(v_headers) LOOP
+    FOR v_key IN SELECT jsonb_object_keys(p_headers) LOOP
         IF v_key LIKE 'x-outbox-%' THEN
             RAISE EXCEPTION 'enqueue: header "%" uses the reserved prefix x-outbox-', v_key
                 USING ERRCODE = 'invalid_parameter_value';
@@ -323,11 +315,11 @@ BEGIN
         END IF;
     END LOOP;
 
-    IF jsonb_typeof(v_properties) <> 'object' THEN
-        RAISE EXCEPTION 'enqueue: properties must be a JSON object, not %', jsonb_typeof(v_properties)
+    IF jsonb_typeof(p_properties) <> 'object' THEN
+        RAISE EXCEPTION 'enqueue: properties must be a JSON object, not %', jsonb_typeof(p_properties)
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    FOR v_key, v_value IN SELECT key, value FROM jsonb_each(v_properties) LOOP
+    FOR v_key, v_value IN SELECT key, value FROM jsonb_each(p_properties) LOOP
         CASE
             WHEN v_key IN ('content_type', 'content_encoding', 'correlation_id', 'reply_to',
                            'type', 'user_id', 'app_id') THEN
@@ -362,6 +354,35 @@ BEGIN
                                  'correlation_id, reply_to, expiration, type, user_id, app_id.';
         END CASE;
     END LOOP;
+END;
+$$;
+
+-- enqueue, now numbering keyed messages.
+CREATE OR REPLACE FUNCTION _enqueue(
+    p_exchange             text,
+    p_routing_key          text,
+    p_body                 bytea,
+    p_headers              jsonb,
+    p_properties           jsonb,
+    p_available_at         timestamptz,
+    p_ordering_key         text,
+    p_message_id           uuid,
+    p_default_content_type text
+) RETURNS uuid
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_headers    jsonb := coalesce(p_headers, '{}');
+    v_properties jsonb := coalesce(p_properties, '{}');
+    v_now        timestamptz := clock_timestamp();
+    v_due        timestamptz := coalesce(p_available_at, v_now);
+    v_message_id uuid := coalesce(p_message_id, gen_random_uuid());
+    v_seq        bigint;
+    v_gated      boolean := false;
+BEGIN
+    PERFORM _check_message(p_exchange, p_routing_key, p_body, v_headers, v_properties, v_due,
+                           p_ordering_key);
     IF NOT v_properties ? 'content_type' THEN
         v_properties := v_properties || jsonb_build_object('content_type', p_default_content_type);
     END IF;
