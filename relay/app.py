@@ -12,10 +12,12 @@ from typing import TypeVar
 
 import tenacity
 
-from relay import config, errors, loop, metrics, model, retry
+from relay import __version__, config, errors, loop, metrics, migrate, model, retry
 from relay.listener import Listener
+from relay.probes import Probes
 from relay.publisher import AmqpPublisher
 from relay.store import PgStore
+from relay.watch import Watcher
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -91,7 +93,9 @@ async def _unless_stopped(step: Awaitable[T], stop: asyncio.Event) -> T:
 
 @contextlib.asynccontextmanager
 async def components(
-    settings: config.Settings, stop: asyncio.Event | None = None
+    settings: config.Settings,
+    stop: asyncio.Event | None = None,
+    counters: metrics.Metrics | None = None,
 ) -> AsyncIterator[Components]:
     """Open the store, the publisher and the LISTEN connection; close them all on exit.
     Raises DatabaseUnavailable/BrokerUnavailable after `startup_timeout`, SchemaMissing, or
@@ -110,12 +114,9 @@ async def components(
         await startup("RabbitMQ", publisher.connect, settings.startup_timeout, stop)
         wake = asyncio.Event()
         listener = Listener(database_url, settings.db_schema, wake)
-        counters = metrics.Metrics()
+        counters = counters or metrics.Metrics()
         relay = loop.Relay(store, publisher, options(settings), wake=wake, on_cycle=counters.record)
-        background = [
-            asyncio.create_task(listener.run(), name="outbox-listener"),
-            asyncio.create_task(_watch_gauges(store, counters), name="outbox-gauges"),
-        ]
+        background = [asyncio.create_task(listener.run(), name="outbox-listener")]
         try:
             yield Components(settings, store, publisher, listener, relay, counters)
         finally:
@@ -127,54 +128,111 @@ async def components(
         await store.close()
 
 
-#: How often the gauges that need a query (blocked keys) are refreshed.
-GAUGE_INTERVAL = 10.0
+class _Process:
+    """What the signal handlers and the probes look at while a relay process runs."""
 
+    def __init__(self) -> None:
+        self.work: asyncio.Task[None] | None = None
+        self.watcher: Watcher | None = None
 
-async def _watch_gauges(store: PgStore, counters: metrics.Metrics) -> None:
-    """Refresh query-backed gauges on an interval (one cheap query, not one per scrape)."""
-    while True:
-        with contextlib.suppress(errors.TransientError):
-            counters.blocked_keys.set(await store.blocked_key_count())
-        await asyncio.sleep(GAUGE_INTERVAL)
+    def cancel(self) -> None:
+        if self.work is not None:
+            self.work.cancel()
+
+    def live(self) -> tuple[bool, str]:
+        if self.watcher is None:
+            return True, "starting"
+        verdict = self.watcher.liveness()
+        return verdict.ok, verdict.detail
+
+    def ready(self) -> tuple[bool, str]:
+        if self.watcher is None:
+            return False, "starting"
+        return self.watcher.readiness.ok, self.watcher.readiness.detail
 
 
 async def run(
     settings: config.Settings, *, until_empty: bool = False, stop: asyncio.Event | None = None
 ) -> model.CycleReport | None:
-    """Run one relay until SIGINT/SIGTERM (or `stop`), or until no row is due with `until_empty`.
+    """Run one relay until SIGINT/SIGTERM (or `stop`), or until no row is due with `until_empty`,
+    serving /metrics, /livez and /readyz meanwhile.
 
     On a stop signal it claims nothing more, gives the batch in flight up to `shutdown_timeout` for
     its confirms, settles it (what is still unconfirmed goes back to the queue at once, for any
     replica), and returns. A second signal cancels outright: rows then keep their leases until they
-    run out, and are published again by whichever relay claims them next."""
+    run out, and are published again by whichever relay claims them next. Signals count from the
+    start: one that arrives while the relay is still connecting ends start-up at once."""
     stop = stop or asyncio.Event()
-    work: asyncio.Task[None] | None = None
-    # Signals count from the start: a SIGTERM while still connecting ends start-up at once.
-    with _signals_set(stop, lambda: work.cancel() if work else None):
-        try:
-            async with components(settings, stop) as parts:
-                log.info(
-                    "relay %s ready: schema=%s batch_size=%d lease=%gs",
-                    settings.relay_name,
-                    settings.db_schema,
-                    settings.batch_size,
-                    settings.lease,
-                )
-                if until_empty:
-                    report = await parts.relay.run_until_empty()
+    process = _Process()
+    counters = metrics.Metrics()
+    counters.info.info(
+        {"version": __version__, "relay_name": settings.relay_name, "schema": settings.db_schema}
+    )
+    probes = Probes(counters.registry, process.live, process.ready)
+    _listen(probes, settings)
+    try:
+        with _signals_set(stop, process.cancel):
+            async with components(settings, stop, counters) as parts:
+                process.watcher = _watcher(settings, parts)
+                watching = asyncio.create_task(process.watcher.run(), name="outbox-watcher")
+                try:
                     log.info(
-                        "no due rows left: %d claimed, %d archived, %d dead",
-                        report.claimed,
-                        report.settled.archived,
-                        report.settled.dead,
+                        "relay %s ready: schema=%s batch_size=%d lease=%gs",
+                        settings.relay_name,
+                        settings.db_schema,
+                        settings.batch_size,
+                        settings.lease,
                     )
-                    return report
-                work = asyncio.create_task(parts.relay.run(stop), name="outbox-relay")
-                await _until_stopped(work, stop, settings.shutdown_timeout)
-        except StoppedWhileStarting:
-            log.info("stopped before it was ready: nothing was claimed")
+                    if until_empty:
+                        return await _drain(parts.relay)
+                    process.work = asyncio.create_task(parts.relay.run(stop), name="outbox-relay")
+                    await _until_stopped(process.work, stop, settings.shutdown_timeout)
+                finally:
+                    watching.cancel()
+                    await asyncio.gather(watching, return_exceptions=True)
+    except StoppedWhileStarting:
+        log.info("stopped before it was ready: nothing was claimed")
+    finally:
+        probes.stop()
     return None
+
+
+def _listen(probes: Probes, settings: config.Settings) -> None:
+    try:
+        port = probes.start(settings.metrics_host, settings.metrics_port)
+    except OSError as exc:
+        raise errors.ConfigError(
+            f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: "
+            f"{exc.strerror or exc}; set OUTBOX_METRICS_PORT"
+        ) from None
+    log.info(
+        "metrics and probes on http://%s:%d/metrics (/livez, /readyz)", settings.metrics_host, port
+    )
+
+
+def _watcher(settings: config.Settings, parts: Components) -> Watcher:
+    return Watcher(
+        parts.store,
+        parts.publisher,
+        parts.relay,
+        parts.metrics,
+        stats_interval=settings.stats_interval,
+        xmin_warning=settings.xmin_warning,
+        schema_version=len(migrate.discover()),
+        # Longer than any wait the loop makes on purpose (reconnect back-off, a slow confirm).
+        stall_after=max(60.0, 3 * (settings.poll_interval + settings.confirm_timeout) + 30),
+    )
+
+
+async def _drain(relay: loop.Relay) -> model.CycleReport:
+    report = await relay.run_until_empty()
+    log.info(
+        "no due rows left: %d claimed, %d archived, %d dead",
+        report.claimed,
+        report.settled.archived,
+        report.settled.dead,
+    )
+    return report
 
 
 #: After the grace for confirms, how long the final settle may take (it retries through outages).

@@ -31,6 +31,11 @@ RELAY_KNOBS = (
     "startup_timeout",
     "relay_name",
     "log_level",
+    "log_format",
+    "metrics_host",
+    "metrics_port",
+    "stats_interval",
+    "xmin_warning",
 )
 
 
@@ -94,7 +99,7 @@ def main() -> None:
 def migrate(**flags: Any) -> None:
     """Create or upgrade the outbox schema (idempotent; safe when several run at once)."""
     settings = config.load(**flags)
-    logs.configure(settings.log_level)
+    logs.configure(settings.log_level, settings.log_format)
     result = migrations.migrate(settings.database_url.get_secret_value(), settings.db_schema)
     if result.applied:
         names = ", ".join(m.label for m in result.applied)
@@ -114,7 +119,7 @@ def migrate(**flags: Any) -> None:
 def run(until_empty: bool, **flags: Any) -> None:
     """Run one relay until SIGINT/SIGTERM, then finish the batch in flight and exit 0."""
     settings = config.load(**flags)
-    logs.configure(settings.log_level)
+    logs.configure(settings.log_level, settings.log_format)
     asyncio.run(app.run(settings, until_empty=until_empty))
 
 
@@ -162,7 +167,7 @@ def stats(as_json: bool, **flags: Any) -> None:
 def demo_command(count: int | None, interval: float, **flags: Any) -> None:
     """Migrate, then enqueue sample orders and print them as a consumer receives them."""
     settings = config.load(**flags)
-    logs.configure(settings.log_level)
+    logs.configure(settings.log_level, settings.log_format)
     ok = asyncio.run(demo.run(settings, count=count, interval=interval, echo=click.echo))
     sys.exit(0 if ok else 1)
 

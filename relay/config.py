@@ -129,6 +129,32 @@ class Settings(BaseSettings):
         description="This replica's name, recorded on the rows it claims (default `host:pid`).",
     )
     log_level: str = Field("INFO", description="Logging level: DEBUG, INFO, WARNING or ERROR.")
+    log_format: str = Field(
+        "auto",
+        description="`json`, `text`, or `auto`: JSON lines unless stderr is a terminal.",
+    )
+    metrics_host: str = Field(
+        "0.0.0.0",  # noqa: S104  # scraped from other hosts by default; narrow it with this setting
+        min_length=1,
+        description="Address the /metrics, /livez and /readyz endpoint binds to.",
+    )
+    metrics_port: int = Field(
+        9464,
+        ge=0,
+        le=65535,
+        description="Port of the /metrics, /livez and /readyz endpoint (0: any free port).",
+    )
+    stats_interval: Duration = Field(
+        15.0,
+        gt=0,
+        description="How often the backlog and database-health gauges are refreshed (seconds).",
+    )
+    xmin_warning: Duration = Field(
+        600.0,
+        gt=0,
+        description="Warn when a transaction has held back PostgreSQL's vacuum horizon this long "
+        "(seconds).",
+    )
 
     @field_validator("db_schema")
     @classmethod
@@ -147,6 +173,13 @@ class Settings(BaseSettings):
     @classmethod
     def _amqp_url_scheme(cls, value: SecretStr) -> SecretStr:
         return _check_scheme(value, ("amqp", "amqps"))
+
+    @field_validator("log_format")
+    @classmethod
+    def _known_format(cls, value: str) -> str:
+        if value.lower() not in {"auto", "json", "text"}:
+            raise ValueError("use auto, json or text")
+        return value.lower()
 
     @field_validator("log_level")
     @classmethod

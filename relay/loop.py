@@ -13,7 +13,7 @@ from uuid import UUID
 
 import tenacity
 
-from relay import errors, model, ports, retry
+from relay import errors, logs, model, ports, retry
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,14 @@ def plan(
                 # (at once if this relay is stopping, so another replica takes it).
                 delay = 0.0 if stopping else options.retry_delay
                 retries.append(
-                    model.Retry(message.id, delay, result.detail, refund=True, ambiguous=True)
+                    model.Retry(
+                        message.id,
+                        delay,
+                        result.detail,
+                        refund=True,
+                        ambiguous=True,
+                        why="ambiguous",
+                    )
                 )
             case Outcome.NACKED | Outcome.AMBIGUOUS | Outcome.FAILED:
                 if message.attempts >= options.max_attempts:
@@ -79,14 +86,17 @@ def plan(
                     delay = retry.message_delay(
                         message.attempts, options.retry_delay, options.retry_max_delay
                     )
-                    retries.append(model.Retry(message.id, delay, result.detail))
+                    why = result.outcome.value  # nacked, ambiguous (past its cap) or failed
+                    retries.append(model.Retry(message.id, delay, result.detail, why=why))
     resent = tuple(m.id for m, r in zip(published, results, strict=True) if r.resent)
     return model.Settlement(tuple(archive), tuple(dead), tuple(retries), resent)
 
 
 def release(batch: Sequence[model.OutboxMessage], why: str) -> model.Settlement:
     """Give claimed rows back untried (attempt refunded), due at once for any replica."""
-    return model.Settlement(retry=tuple(model.Retry(m.id, 0.0, why, refund=True) for m in batch))
+    return model.Settlement(
+        retry=tuple(model.Retry(m.id, 0.0, why, refund=True, why="released") for m in batch)
+    )
 
 
 def _dead(
@@ -121,6 +131,18 @@ class Relay:
         self._stopping = asyncio.Event()  # claim nothing more; give back what is not yet sent
         self._abort = asyncio.Event()  # the shutdown grace is over: stop waiting for confirms
         self._next_orphan_check = 0.0
+        self.last_progress = (
+            time.monotonic()
+        )  # for /livez: the loop is cycling, or waiting on purpose
+
+    def tick(self) -> None:
+        """Note that the loop is alive: it cycled, or is deliberately waiting (for work, an outage
+        to end, or the broker to unblock)."""
+        self.last_progress = time.monotonic()
+
+    def _outage(self, state: tenacity.RetryCallState) -> None:
+        self.tick()  # waiting out an outage is not hanging
+        _log_outage(state)
 
     async def run_once(self) -> model.CycleReport:
         """One cycle: bury orphans that used up their attempts, publish a batch of due rows, then
@@ -131,7 +153,7 @@ class Relay:
         if self._publisher.blocked:
             return model.CycleReport(blocked=True)
         report = await self._work(
-            await self._store.claim(self._options.batch_size, self._options.lease)
+            *await _timed(self._store.claim(self._options.batch_size, self._options.lease))
         )
         if time.monotonic() >= self._next_orphan_check:
             report = report.combine(await self._orphans())
@@ -147,10 +169,10 @@ class Relay:
         for _ in range(self._options.batch_size):
             if self._stopping.is_set() or self._publisher.blocked:
                 break
-            orphan = await self._store.claim_orphans(1, self._options.lease)
+            orphan, seconds = await _timed(self._store.claim_orphans(1, self._options.lease))
             if not orphan.messages:
                 break
-            report = report.combine(await self._work(orphan))
+            report = report.combine(await self._work(orphan, seconds))
         return report
 
     async def run_until_empty(self) -> model.CycleReport:
@@ -169,6 +191,7 @@ class Relay:
         grace = asyncio.create_task(self._abort_after_grace(stop))
         try:
             while not stop.is_set():
+                self.tick()
                 self.wake.clear()
                 report = await self._cycle(stop)
                 # Straight on while batches come back full, or when settles freed keyed rows.
@@ -200,7 +223,11 @@ class Relay:
             "RabbitMQ is blocking publishes (a memory or disk alarm): "
             "claiming nothing until it lifts"
         )
-        await _wait_any_of((self._publisher.until_unblocked(), stop.wait()), None)
+        while self._publisher.blocked and not stop.is_set():
+            self.tick()
+            await _wait_any_of(
+                (self._publisher.until_unblocked(), stop.wait()), self._options.poll_interval
+            )
         if not stop.is_set():
             log.info("RabbitMQ accepts publishes again")
 
@@ -209,7 +236,7 @@ class Relay:
             retry=tenacity.retry_if_exception(retry.is_transient),
             wait=retry.reconnect_wait(maximum=self._options.reconnect_max_delay),
             sleep=lambda seconds: _wait_any((stop,), seconds),
-            before_sleep=_log_outage,
+            before_sleep=self._outage,
             reraise=True,
         )
         async for attempt in retrying:
@@ -227,6 +254,13 @@ class Relay:
                 "detail=never settled, its relays kept dying (moved to dead unread)",
                 message_id,
                 attempts,
+                extra=logs.event(
+                    event="dead_lettered",
+                    message_id=message_id,
+                    attempt=attempts,
+                    reason="max_attempts",
+                    detail="never settled (moved unread)",
+                ),
             )
         if not buried:
             return model.CycleReport()
@@ -234,13 +268,15 @@ class Relay:
             buried=len(buried), dead={model.DeadReason.MAX_ATTEMPTS: len(buried)}
         )
 
-    async def _work(self, claim: model.Claim) -> model.CycleReport:
+    async def _work(self, claim: model.Claim, claim_seconds: float) -> model.CycleReport:
         """Publish one claim's rows and settle them."""
         if not claim.messages:
-            return model.CycleReport()
+            return model.CycleReport(claim_seconds=(claim_seconds,))
         batch = sorted(claim.messages, key=lambda m: m.id)
+        to_send: list[model.OutboxMessage] = []
+        results: list[model.PublishResult] = []
         if self._stopping.is_set():
-            settlement, results = release(batch, "released unsent: the relay was stopping"), []
+            settlement = release(batch, "released unsent: the relay was stopping")
         else:
             exhausted = [m for m in batch if m.attempts > self._options.max_attempts]
             to_send = [m for m in batch if m.attempts <= self._options.max_attempts]
@@ -251,7 +287,7 @@ class Relay:
             )
         counts = await self._settle(claim.claim_id, settlement)
         _log_transitions(batch, settlement, counts)
-        return _report(claim, results, settlement, counts)
+        return _report(claim, claim_seconds, to_send, results, settlement, counts)
 
     @contextlib.asynccontextmanager
     async def _heartbeat(self, claim_id: UUID, ids: Sequence[int]) -> AsyncIterator[None]:
@@ -291,7 +327,7 @@ class Relay:
         retrying = tenacity.AsyncRetrying(
             retry=tenacity.retry_if_exception(retry.is_transient),
             wait=retry.reconnect_wait(maximum=self._options.reconnect_max_delay),
-            before_sleep=_log_outage,
+            before_sleep=self._outage,
             reraise=True,
         )
         async for attempt in retrying:
@@ -302,16 +338,35 @@ class Relay:
 
 def _report(
     claim: model.Claim,
+    claim_seconds: float,
+    published: Sequence[model.OutboxMessage],
     results: Sequence[model.PublishResult],
     settlement: model.Settlement,
     counts: model.SettleCounts,
 ) -> model.CycleReport:
+    acked = [(m, r) for m, r in zip(published, results, strict=True) if r.outcome is Outcome.ACKED]
     return model.CycleReport(
         claimed=len(claim.messages),
         outcomes=dict(collections.Counter(r.outcome for r in results)),
         dead=dict(collections.Counter(d.reason for d in settlement.dead)),
         settled=counts,
+        retried=dict(collections.Counter(r.why for r in settlement.retry)),
+        ambiguous=sum(r.ambiguous for r in settlement.retry) + len(settlement.resent),
+        batch_sizes=(len(claim.messages),),
+        claim_seconds=(claim_seconds,),
+        publish_seconds=tuple(r.seconds for _, r in acked if r.seconds is not None),
+        commit_seconds=tuple(
+            max(0.0, r.confirmed_at - m.created_at.timestamp())
+            for m, r in acked
+            if r.confirmed_at is not None
+        ),
     )
+
+
+async def _timed(claiming: Awaitable[model.Claim]) -> tuple[model.Claim, float]:
+    started = time.perf_counter()
+    claim = await claiming
+    return claim, time.perf_counter() - started
 
 
 def _log_transitions(
@@ -328,6 +383,14 @@ def _log_transitions(
             message.attempts,
             dead.reason.value,
             dead.detail,
+            extra=logs.event(
+                event="dead_lettered",
+                message_id=message.message_id,
+                attempt=message.attempts,
+                reason=dead.reason.value,
+                detail=dead.detail,
+                ordering_key=message.ordering_key,
+            ),
         )
     if counts.fenced:
         log.warning(

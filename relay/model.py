@@ -87,6 +87,9 @@ class PublishResult:
     detail: str = ""
     reason: DeadReason | None = None
     resent: bool = False
+    #: For an ACKED message: seconds from its publish to the confirm, and the confirm's wall time.
+    seconds: float | None = None
+    confirmed_at: float | None = None
 
 
 class DeadReason(enum.StrEnum):
@@ -118,6 +121,7 @@ class Retry:
     error: str
     refund: bool = False
     ambiguous: bool = False
+    why: str = "failed"  # nacked, ambiguous, failed or released: for the metrics
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -161,6 +165,15 @@ class CycleReport:
     buried: int = 0
     #: The broker refused publishing (a memory or disk alarm), so nothing was claimed.
     blocked: bool = False
+    #: Rows put back for another try, by why: nacked, ambiguous, failed, released.
+    retried: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    #: Sends whose outcome was unknown (and were or will be sent again).
+    ambiguous: int = 0
+    # Measurements for the histograms (one entry per claim, or per acked message).
+    batch_sizes: tuple[int, ...] = ()
+    claim_seconds: tuple[float, ...] = ()
+    publish_seconds: tuple[float, ...] = ()
+    commit_seconds: tuple[float, ...] = ()
 
     def combine(self, other: CycleReport) -> CycleReport:
         """The sum of two reports (for runs of several cycles)."""
@@ -173,6 +186,12 @@ class CycleReport:
             ),
             buried=self.buried + other.buried,
             blocked=self.blocked or other.blocked,
+            retried=_add(self.retried, other.retried),
+            ambiguous=self.ambiguous + other.ambiguous,
+            batch_sizes=self.batch_sizes + other.batch_sizes,
+            claim_seconds=self.claim_seconds + other.claim_seconds,
+            publish_seconds=self.publish_seconds + other.publish_seconds,
+            commit_seconds=self.commit_seconds + other.commit_seconds,
         )
 
 
@@ -197,3 +216,22 @@ class Stats:
     dead: int
     dead_by_reason: Mapping[str, int]
     blocked_keys: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Observation:
+    """One look at the outbox and the database, for the gauges, `stats` and `top`."""
+
+    due: int
+    scheduled: int
+    gated: int
+    in_flight: int
+    oldest_due_seconds: float | None
+    dead: int
+    blocked_keys: int
+    dead_tuples: int
+    last_autovacuum: float | None  # unix time
+    xmin_seconds: float | None  # age of the oldest transaction holding the vacuum horizon
+    xmin_xids: int | None
+    xmin_pid: int | None
+    xmin_state: str | None

@@ -9,7 +9,7 @@ import logging
 import re
 import struct
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -229,9 +229,12 @@ class AmqpPublisher:
         channel = self._channel
         if channel is None or channel.is_closed:
             return {i: _ambiguous("the channel closed before publishing") for i in todo}, None
-        tasks = {i: asyncio.ensure_future(_send(channel, messages[i], p)) for i, p in todo.items()}
+        clock = _Stopwatch()
+        tasks = {i: clock.watch(i, _send(channel, messages[i], p)) for i, p in todo.items()}
         await _wait_all(list(tasks.values()), self._confirm_timeout, abort)
-        results = {i: _outcome(t, self._confirm_timeout, abort) for i, t in tasks.items()}
+        results = {
+            i: clock.time(i, _outcome(t, self._confirm_timeout, abort)) for i, t in tasks.items()
+        }
         error = _channel_error(tasks.values())
         if not self.connected:
             # aiormq may still write queued frames on a channel the broker closed, which makes the
@@ -259,10 +262,11 @@ class AmqpPublisher:
                 results[i] = _ambiguous(str(exc))
                 continue
             assert self._channel is not None
-            task = asyncio.ensure_future(_send(self._channel, messages[i], properties))
+            clock = _Stopwatch()
+            task = clock.watch(i, _send(self._channel, messages[i], properties))
             await _wait_all([task], self._confirm_timeout, abort)
             error = _channel_error([task])
-            results[i] = _outcome(task, self._confirm_timeout, abort)
+            results[i] = clock.time(i, _outcome(task, self._confirm_timeout, abort))
             if error is not None:
                 results[i] = self._blame(error, messages, [i]).get(i) or _refusal(error)
             if not self.connected:
@@ -382,6 +386,25 @@ class AmqpPublisher:
                 f"the broker's frame_max is {self._frame_max}"
             )
         return properties
+
+
+class _Stopwatch:
+    """When each publish of a batch started and when its confirm came, for the latency metrics."""
+
+    def __init__(self) -> None:
+        self._started = time.monotonic()
+        self._done: dict[int, tuple[float, float]] = {}
+
+    def watch(self, i: int, sending: Awaitable[Any]) -> asyncio.Future[Any]:
+        task = asyncio.ensure_future(sending)
+        task.add_done_callback(lambda _: self._done.setdefault(i, (time.monotonic(), time.time())))
+        return task
+
+    def time(self, i: int, result: model.PublishResult) -> model.PublishResult:
+        if result.outcome is not Outcome.ACKED or i not in self._done:
+            return result
+        done, wall = self._done[i]
+        return dataclasses.replace(result, seconds=done - self._started, confirmed_at=wall)
 
 
 async def _send(

@@ -238,3 +238,39 @@ RETURNING prefix, on_dead, concurrency, extract(epoch FROM min_interval)::float8
 
 -- name: delete_key_policy
 DELETE FROM {schema}.key_policies WHERE prefix = %(prefix)s AND prefix <> '';
+
+-- name: observe
+-- The gauges' one query: backlog by state, the longest wait, dead rows, blocked keys, and the
+-- database's health. Every count reads an index (capped at a million), never the table.
+SELECT
+    (SELECT count(*) FROM (SELECT 1 FROM {schema}.messages
+                           WHERE claim_id IS NULL AND NOT gated AND available_at <= now()
+                           LIMIT 1000000) AS s) AS due,
+    (SELECT count(*) FROM (SELECT 1 FROM {schema}.messages
+                           WHERE claim_id IS NULL AND NOT gated AND available_at > now()
+                           LIMIT 1000000) AS s) AS scheduled,
+    (SELECT count(*) FROM (SELECT 1 FROM {schema}.messages WHERE gated
+                           LIMIT 1000000) AS s) AS gated,
+    (SELECT count(*) FROM (SELECT 1 FROM {schema}.messages
+                           WHERE claim_id IS NOT NULL AND available_at > now()
+                           LIMIT 1000000) AS s) AS in_flight,
+    (SELECT extract(epoch FROM now() - available_at) FROM {schema}.messages
+     WHERE claim_id IS NULL AND NOT gated AND available_at <= now()
+     ORDER BY available_at, id LIMIT 1) AS oldest_due,
+    (SELECT count(*) FROM (SELECT 1 FROM {schema}.dead LIMIT 1000000) AS s) AS dead,
+    (SELECT count(*) FROM {schema}.blocked_keys) AS blocked_keys,
+    (SELECT n_dead_tup FROM pg_stat_user_tables
+     WHERE relid = to_regclass(%(messages)s)) AS dead_tuples,
+    (SELECT extract(epoch FROM last_autovacuum) FROM pg_stat_user_tables
+     WHERE relid = to_regclass(%(messages)s)) AS last_autovacuum,
+    h.seconds, h.xids, h.pid, h.state
+FROM (SELECT 1) AS one
+LEFT JOIN LATERAL (
+    -- Who holds back the vacuum horizon: the session with the oldest snapshot.
+    SELECT extract(epoch FROM now() - coalesce(xact_start, query_start)) AS seconds,
+           age(backend_xmin) AS xids, pid, state
+    FROM pg_stat_activity
+    WHERE backend_xmin IS NOT NULL AND pid <> pg_backend_pid()
+    ORDER BY age(backend_xmin) DESC
+    LIMIT 1
+) AS h ON true;

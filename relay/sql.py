@@ -45,6 +45,7 @@ class Queries:
     key_policies: LiteralString
     set_key_policy: LiteralString
     delete_key_policy: LiteralString
+    observe: LiteralString
 
 
 def parse(text: str) -> dict[str, str]:

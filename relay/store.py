@@ -166,6 +166,42 @@ class PgStore:
             (count,) = await _one(cur)
         return int(count)
 
+    async def observe(self) -> model.Observation:
+        """The gauges' snapshot: backlog by state and the database's health, in one query."""
+        async with self._connection() as conn:
+            cur = await conn.execute(self._q.observe, {"messages": f'"{self._schema}".messages'})
+            row = await _one(cur)
+        (
+            due,
+            scheduled,
+            gated,
+            in_flight,
+            oldest,
+            dead,
+            blocked,
+            dead_tuples,
+            autovacuum,
+            xmin_seconds,
+            xmin_xids,
+            xmin_pid,
+            xmin_state,
+        ) = row
+        return model.Observation(
+            due=due,
+            scheduled=scheduled,
+            gated=gated,
+            in_flight=in_flight,
+            oldest_due_seconds=_float(oldest),
+            dead=dead,
+            blocked_keys=blocked,
+            dead_tuples=int(dead_tuples or 0),
+            last_autovacuum=_float(autovacuum),
+            xmin_seconds=_float(xmin_seconds),
+            xmin_xids=xmin_xids,
+            xmin_pid=xmin_pid,
+            xmin_state=xmin_state,
+        )
+
     async def stats(self) -> model.Stats:
         async with self._connection() as conn:
             cur = await conn.execute(self._q.message_stats)
@@ -187,6 +223,10 @@ class PgStore:
             dead_by_reason=by_reason,
             blocked_keys=blocked_keys,
         )
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 async def _one(cur: psycopg.AsyncCursor[Any]) -> Any:

@@ -81,7 +81,7 @@ async def test_every_key_arrives_in_commit_order_without_gaps_across_three_relay
     producers = Producers(database_url, broker.exchange)
     with RelayProcess(env) as a, RelayProcess(env) as b, RelayProcess(env) as c:
         for proc in (a, b, c):
-            proc.wait_for("ready")
+            proc.wait_ready()
         await asyncio.to_thread(producers.run)
         total = len(producers.committed)
         until(

@@ -62,8 +62,8 @@ async def test_two_relays_share_5000_messages_without_duplicates(
     await broker.declare()
     env = relay_env(database_url, amqp_url, OUTBOX_BATCH_SIZE="100")
     with RelayProcess(env) as first, RelayProcess(env) as second:
-        first.wait_for("ready")
-        second.wait_for("ready")
+        first.wait_ready()
+        second.wait_ready()
         ids = await asyncio.to_thread(enqueue_many, database_url, broker.exchange, 5000)
         await asyncio.to_thread(wait_archived, database_url, 5000)
         assert first.stop() == 0, first.output
@@ -90,7 +90,7 @@ async def test_sigterm_stops_claiming_settles_the_batch_in_flight_and_exits_zero
         conn.commit()
     env = relay_env(database_url, amqp_url, OUTBOX_BATCH_SIZE="500")
     with RelayProcess(env) as proc:
-        proc.wait_for("ready")
+        proc.wait_ready()
         until(
             lambda: scalar(database_url, "SELECT count(*) FROM outbox.archive") > 0,
             message="the first batch",
@@ -124,7 +124,7 @@ async def test_killed_relay_rows_are_delivered_by_another_after_the_lease(
             database_url, via_proxy, OUTBOX_LEASE="3", OUTBOX_CONFIRM_TIMEOUT="60"
         )
         with RelayProcess(doomed_env) as doomed:
-            doomed.wait_for("ready")
+            doomed.wait_ready()
             proxy.pause()  # its publishes now stall on the way to the broker
             ids = await asyncio.to_thread(enqueue_many, database_url, broker.exchange, 50)
             until(
@@ -144,7 +144,7 @@ async def test_killed_relay_rows_are_delivered_by_another_after_the_lease(
     )
     assert in_flight == 50  # still leased to the dead relay
     with RelayProcess(relay_env(database_url, amqp_url)) as rescuer:
-        rescuer.wait_for("ready")
+        rescuer.wait_ready()
         wait_archived(database_url, 50, timeout=30)
         assert rescuer.stop() == 0
     got = await broker.collect(50, settle=0.5)
@@ -168,7 +168,7 @@ async def test_broker_restart_mid_run_loses_nothing(
 
     env = relay_env(database_url, amqp_url, OUTBOX_BATCH_SIZE="50")
     with RelayProcess(env) as proc:
-        proc.wait_for("ready")
+        proc.wait_ready()
         producer = threading.Thread(target=produce)
         producer.start()
         producing.wait(10)
@@ -213,7 +213,7 @@ async def test_sigterm_on_a_stalled_broker_gives_rows_back_for_another_relay_at_
             OUTBOX_SHUTDOWN_TIMEOUT="1",
         )
         with RelayProcess(env) as stalled:
-            stalled.wait_for("ready")
+            stalled.wait_ready()
             proxy.pause()
             ids = await asyncio.to_thread(enqueue_many, database_url, broker.exchange, 20)
             until(
@@ -239,7 +239,7 @@ async def test_sigterm_on_a_stalled_broker_gives_rows_back_for_another_relay_at_
         == 20
     )
     with RelayProcess(relay_env(database_url, amqp_url)) as rescuer:
-        rescuer.wait_for("ready")
+        rescuer.wait_ready()
         wait_archived(database_url, 20, timeout=15)
         assert rescuer.stop() == 0
     got = await broker.collect(20, settle=0.3)

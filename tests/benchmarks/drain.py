@@ -66,7 +66,7 @@ def drain(database_url: str, amqp_url: str, replicas: int, batch_size: int) -> f
     for proc in procs:  # start the clock when every relay is connected and ready
         assert proc.stderr is not None
         for line in proc.stderr:
-            if " ready: " in line:
+            if " ready: schema=" in line:
                 break
         else:
             raise SystemExit(f"relay failed to start (exit {proc.wait()})")

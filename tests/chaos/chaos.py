@@ -193,7 +193,7 @@ class Relays:
         self._env = env
         self.procs = [RelayProcess(env) for _ in range(n)]
         for proc in self.procs:
-            proc.wait_for("ready")
+            proc.wait_ready()
 
     def kill_one(self, rng: random.Random) -> None:
         i = rng.randrange(len(self.procs))
@@ -204,7 +204,7 @@ class Relays:
         """SIGTERM each relay once it is ready (a process still importing Python cannot handle
         signals yet); their exit codes."""
         for proc in self.procs:
-            proc.wait_for("ready", timeout=60)
+            proc.wait_ready(timeout=60)
         return [proc.stop(timeout=60) for proc in self.procs]
 
     def kill_all(self) -> None:

@@ -12,8 +12,10 @@ from collections.abc import Mapping
 
 
 def clean_env(**settings: str) -> dict[str, str]:
-    """The parent's environment without any OUTBOX_* setting, plus `settings`."""
+    """The parent's environment without any OUTBOX_* setting, plus `settings`. Relays started by
+    tests serve their metrics on any free port, so several can run side by side."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env["OUTBOX_METRICS_PORT"] = "0"
     env.update(settings)
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -78,6 +80,10 @@ class RelayProcess:
                 if remaining <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
                     raise AssertionError(f"relay never printed {text!r}; output:\n{self.output}")
                 self._changed.wait(min(remaining, 0.5))
+
+    def wait_ready(self, timeout: float = 30.0) -> str:
+        """Wait until the relay has connected to both services and starts claiming."""
+        return self.wait_for(" ready: schema=", timeout)
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, then the exit code."""
