@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
 import sys
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import click
 
 from relay import __version__, admin, app, config, demo, errors, logs
 from relay import migrate as migrations
+from relay import top as live
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -136,16 +139,61 @@ def stats(as_json: bool, **flags: Any) -> None:
         return
     age = snapshot.oldest_pending_age_seconds
     reasons = ", ".join(f"{k} {v}" for k, v in snapshot.dead_by_reason.items())
+    seen = snapshot.observation
     rows = [
-        ("pending", f"{snapshot.pending}  (due {snapshot.due}, scheduled {snapshot.scheduled})"),
+        (
+            "pending",
+            f"{snapshot.pending}  (due {snapshot.due}, scheduled {snapshot.scheduled}"
+            f"{f', gated {seen.gated}' if seen else ''})",
+        ),
         ("in flight", str(snapshot.in_flight)),
         ("oldest pending", "-" if age is None else f"{age:.1f}s"),
         ("archived", str(snapshot.archived)),
         ("dead", f"{snapshot.dead}" + (f"  ({reasons})" if reasons else "")),
         ("blocked keys", str(snapshot.blocked_keys)),
     ]
+    if seen is not None:
+        rows += [
+            ("dead tuples", f"{seen.dead_tuples}  (last autovacuum {_when(seen.last_autovacuum)})"),
+            (
+                "vacuum horizon",
+                "free"
+                if seen.xmin_seconds is None
+                else f"held {seen.xmin_seconds:.0f}s by pid {seen.xmin_pid} ({seen.xmin_state})",
+            ),
+        ]
     for label, value in rows:
         click.echo(f"{label:<15} {value}")
+
+
+def _when(unix: float | None) -> str:
+    return (
+        "never" if unix is None else datetime.fromtimestamp(unix, UTC).isoformat(timespec="seconds")
+    )
+
+
+@main.command()
+@settings_options("database_url", "db_schema")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=1.0,
+    show_default=True,
+    help="Seconds between refreshes.",
+)
+@click.option("--once", is_flag=True, help="Print one frame and exit.")
+@click.option(
+    "--svg",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Also save the last frame as an SVG picture.",
+)
+@fail_cleanly
+def top(interval: float, once: bool, svg: str | None, **flags: Any) -> None:
+    """The outbox live: rates, backlog, the longest wait, dead letters, database health."""
+    settings = config.load(**flags)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(live.run(settings, interval=interval, once=once, svg=svg))
 
 
 @main.command(name="demo")

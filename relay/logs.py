@@ -39,7 +39,8 @@ def configure(level: str = "INFO", fmt: str = "auto") -> None:
     quiet = root.level if root.level <= logging.DEBUG else logging.CRITICAL
     for noisy in ("aiormq", "aio_pika"):
         logging.getLogger(noisy).setLevel(quiet)
-    logging.getLogger("psycopg.pool").setLevel(max(logging.WARNING, root.level))
+    # psycopg_pool warns at each failed reconnect; the relay's one outage line says the same.
+    logging.getLogger("psycopg.pool").setLevel(quiet if quiet == root.level else logging.ERROR)
 
 
 def _text() -> logging.Formatter:

@@ -216,6 +216,8 @@ class Stats:
     dead: int
     dead_by_reason: Mapping[str, int]
     blocked_keys: int = 0
+    #: The gauges' view (gated rows, the longest wait, the database's health), when available.
+    observation: Observation | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -274,3 +274,10 @@ LEFT JOIN LATERAL (
     ORDER BY age(backend_xmin) DESC
     LIMIT 1
 ) AS h ON true;
+
+-- name: table_inserts
+-- Rows ever inserted into each outbox table, from PostgreSQL's statistics (cheap; refreshed by
+-- PostgreSQL about once a second): differences over time give enqueue, publish and dead rates.
+SELECT relname, n_tup_ins
+FROM pg_stat_user_tables
+WHERE schemaname = %(schema)s AND relname IN ('messages', 'archive', 'dead');

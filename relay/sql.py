@@ -46,6 +46,7 @@ class Queries:
     set_key_policy: LiteralString
     delete_key_policy: LiteralString
     observe: LiteralString
+    table_inserts: LiteralString
 
 
 def parse(text: str) -> dict[str, str]:

@@ -16,6 +16,9 @@ from psycopg.rows import namedtuple_row
 from relay import config, errors, model, pg, sql
 from relay.pg import translate_errors
 
+#: How long an operation waits for a pooled connection before the database counts as unavailable.
+POOL_WAIT = 3.0
+
 
 class PgStore:
     """ports.Store on PostgreSQL. Every method raises errors.DatabaseUnavailable on an outage."""
@@ -51,7 +54,12 @@ class PgStore:
             min_size=1,
             max_size=max_size,
             open=False,
-            timeout=connect_timeout,
+            # Waiting for a connection while the database is down only delays the relay's own
+            # back-off (and /readyz): fail fast. And give up the pool's own reconnect back-off
+            # (1 s doubling, for minutes) quickly: the next demand starts again at once, so the
+            # relay's retries, not the pool's, decide how soon it is back after an outage.
+            timeout=POOL_WAIT,
+            reconnect_timeout=POOL_WAIT,
             kwargs={"autocommit": True, "application_name": pg.APPLICATION_NAME},
             name="outbox-relay",
         )
@@ -222,7 +230,19 @@ class PgStore:
             dead=sum(by_reason.values()),
             dead_by_reason=by_reason,
             blocked_keys=blocked_keys,
+            observation=await self.observe(),
         )
+
+    async def table_inserts(self) -> dict[str, int]:
+        """Rows ever inserted into messages, archive and dead (PostgreSQL's statistics)."""
+        async with self._connection() as conn:
+            cur = await conn.execute(self._q.table_inserts, {"schema": self._schema})
+            return {str(name): int(n) for name, n in await cur.fetchall()}
+
+    async def dead_by_reason(self) -> dict[str, int]:
+        async with self._connection() as conn:
+            cur = await conn.execute(self._q.dead_by_reason)
+            return {str(reason): int(n) for reason, n in await cur.fetchall()}
 
 
 def _float(value: Any) -> float | None:

@@ -6,6 +6,7 @@ import json
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import pytest
@@ -47,7 +48,10 @@ def test_migrate_twice_then_stats(empty_database_url: str) -> None:
     assert second.stdout.strip() == f'schema "outbox" is up to date (version {version})'
     stats = run_cli("stats", "--json", env=env)
     assert stats.returncode == 0, stats.stderr
-    assert json.loads(stats.stdout) == {
+    figures = json.loads(stats.stdout)
+    seen = figures.pop("observation")
+    assert (seen["due"], seen["gated"], seen["dead"], seen["xmin_pid"]) == (0, 0, 0, None)
+    assert figures == {
         "archived": 0,
         "blocked_keys": 0,
         "dead": 0,
@@ -232,3 +236,30 @@ def test_key_policy_commands(database_url: str) -> None:
     )
     assert_one_line_error(run_cli("keys", "policy", "delete", "", env=env), 2, "default stays")
     assert run_cli("keys", "policy", "delete", "slow.", env=env).returncode == 0
+
+
+def test_top_renders_a_frame_and_a_picture(database_url: str, tmp_path: Any) -> None:
+    picture = tmp_path / "top.svg"
+    result = run_cli(
+        "top",
+        "--once",
+        "--interval",
+        "0.2",
+        "--svg",
+        str(picture),
+        env=clean_env(OUTBOX_DATABASE_URL=database_url),
+    )
+    assert result.returncode == 0, result.stderr
+    for label in (
+        "published/s",
+        "due",
+        "scheduled",
+        "gated",
+        "in flight",
+        "oldest due",
+        "dead by reason",
+        "blocked keys",
+        "vacuum horizon",
+    ):
+        assert label in result.stdout
+    assert picture.read_text().startswith("<svg")

@@ -250,3 +250,36 @@ def test_one_notification_per_transaction_none_on_rollback(database_url: str) ->
             if note.payload == "sentinel":
                 break
     assert payloads == ["", "sentinel"]
+
+
+def test_a_dead_letter_is_visible_from_postgres_a_warning_and_a_notify(database_url: str) -> None:
+    notices: list[str] = []
+    with (
+        psycopg.connect(database_url, autocommit=True) as listener,
+        psycopg.connect(database_url) as conn,
+    ):
+        listener.execute('LISTEN "outbox_dead"')
+        conn.add_notice_handler(
+            lambda diag: notices.append(f"{diag.severity}: {diag.message_primary}")
+        )
+        message_id = uuid.uuid4()
+        conn.execute(
+            "INSERT INTO outbox.dead (message_id, exchange, routing_key, body, headers,"
+            " properties, attempts, reason, detail, created_at) VALUES (%s, 'x', 'k',"
+            " 'secret body', '{}', '{}', 1, 'unroutable', '312 NO_ROUTE', now())",
+            [message_id],
+        )
+        conn.commit()
+        (note,) = list(listener.notifies(timeout=5, stop_after=1))
+    payload = json.loads(note.payload)
+    assert payload == {
+        "message_id": str(message_id),
+        "reason": "unroutable",
+        "exchange": "x",
+        "routing_key": "k",
+        "ordering_key": None,
+        "attempts": 1,
+    }
+    assert notices == [
+        f"WARNING: outbox: message {message_id} dead-lettered (unroutable): 312 NO_ROUTE"
+    ]

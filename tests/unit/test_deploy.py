@@ -1,15 +1,166 @@
-"""deploy/ and docker-compose.yml hang together (no Docker engine is needed to check that)."""
+"""deploy/ and docker-compose.yml hang together, without a cluster or a Docker engine: manifests
+against the Kubernetes schemas, alert rules through promtool and a PromQL parser, every metric a
+rule or panel names actually exported by the relay."""
 
 from __future__ import annotations
 
+import configparser
+import json
+import shutil
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
+import promql_parser
+import pytest
 import yaml
 
-from relay import cli, config
+from relay import cli, config, metrics
 
 ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+
+
+def exported_series() -> set[str]:
+    """Every series name the relay can export (counters end in _total, histograms in _bucket…)."""
+    names = {"up"}  # Prometheus's own, per scrape target
+    suffixes = {
+        "counter": ["_total"],
+        "histogram": ["_bucket", "_count", "_sum"],
+        "gauge": [""],
+        "info": ["_info"],
+    }
+    for family in metrics.Metrics().registry.collect():
+        names.update(family.name + suffix for suffix in suffixes[family.type])
+    return names
+
+
+def selectors(expr: str) -> Iterator[str]:
+    """The metric names a PromQL expression reads (it raises if the expression does not parse)."""
+    pending: list[Any] = [promql_parser.parse(expr)]
+    while pending:
+        node = pending.pop()
+        if type(node).__name__ == "VectorSelector":
+            yield node.name
+        for attr in ("lhs", "rhs", "expr", "args", "param", "vector_selector"):
+            child = getattr(node, attr, None)
+            if isinstance(child, list):
+                pending.extend(child)
+            elif child is not None and type(child).__module__.startswith("promql"):
+                pending.append(child)
+
+
+def yaml_docs(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")) if doc]
+
+
+# Alert rules ------------------------------------------------------------------------------------
+
+ALERTS = DEPLOY / "prometheus" / "alerts.yml"
+
+
+def rules() -> list[dict[str, Any]]:
+    return [rule for group in yaml_docs(ALERTS)[0]["groups"] for rule in group["rules"]]
+
+
+def test_alert_rules_pass_promtool() -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (deploy/dev test installs Debian's prometheus)")
+    result = subprocess.run(
+        [promtool, "check", "rules", str(ALERTS)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_alert_rules_cover_the_operator_questions_each_with_a_runbook() -> None:
+    exported = exported_series()
+    names = set()
+    for rule in rules():
+        names.add(rule["alert"])
+        assert set(selectors(rule["expr"])) <= exported, rule["alert"]
+        assert rule["annotations"]["runbook"].strip()
+        assert rule["annotations"]["summary"].strip()
+        assert rule["labels"]["severity"] in {"warning", "critical"}
+    assert {
+        "OutboxRelayDown",
+        "OutboxNotPublishing",
+        "OutboxOldestMessageTooOld",
+        "OutboxDeadLettersRising",
+        "OutboxVacuumHorizonPinned",
+        "OutboxBrokerBlocked",
+    } <= names
+
+
+def test_compose_prometheus_config_parses() -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed")
+    config_file = DEPLOY / "prometheus" / "prometheus.yml"
+    result = subprocess.run(
+        [promtool, "check", "config", "--syntax-only", str(config_file)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# Grafana ----------------------------------------------------------------------------------------
+
+
+def test_every_dashboard_query_names_metrics_the_relay_exports() -> None:
+    dashboard = json.loads((DEPLOY / "grafana" / "outbox-relay.json").read_text(encoding="utf-8"))
+    exported = exported_series()
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert len(exprs) >= 15
+    for expr in exprs:
+        named = set(selectors(expr))
+        assert named, expr
+        assert named <= exported, f"{expr}: {named - exported}"
+
+
+# Kubernetes -------------------------------------------------------------------------------------
+
+MANIFESTS = DEPLOY / "kubernetes" / "outbox-relay.yaml"
+
+
+def by_kind() -> dict[str, dict[str, Any]]:
+    return {doc["kind"]: doc for doc in yaml_docs(MANIFESTS)}
+
+
+def test_manifests_match_the_kubernetes_schemas() -> None:
+    for doc in yaml_docs(MANIFESTS):
+        kubernetes_validate.validate(doc, "1.30.0", strict=True)
+    (monitor,) = yaml_docs(DEPLOY / "kubernetes" / "servicemonitor.yaml")  # a CRD: no schema
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+
+
+def test_deployment_is_wired_for_probes_scraping_and_graceful_stops() -> None:
+    docs = by_kind()
+    deployment = docs["Deployment"]["spec"]
+    assert deployment["replicas"] >= 2
+    pod = deployment["template"]
+    (container,) = pod["spec"]["containers"]
+    assert container["args"] == ["run"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/livez"
+    assert container["resources"]["requests"]
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9464"
+    settings = docs["ConfigMap"]["data"]
+    secret = docs["Secret"]["stringData"]
+    known = {config.env_name(f) for f in config.Settings.model_fields}
+    assert set(settings) | set(secret) <= known
+    assert {"OUTBOX_DATABASE_URL", "OUTBOX_AMQP_URL"} <= set(secret)  # secrets stay in Secrets
+    grace = config.parse_duration(settings["OUTBOX_SHUTDOWN_TIMEOUT"])
+    assert pod["spec"]["terminationGracePeriodSeconds"] > grace
+    assert docs["Job"]["spec"]["template"]["spec"]["containers"][0]["args"] == ["migrate"]
+    assert docs["PodDisruptionBudget"]["spec"]["minAvailable"] >= 1
+
+
+# docker-compose and systemd ---------------------------------------------------------------------
 
 
 def compose() -> dict[str, Any]:
@@ -20,12 +171,14 @@ def compose() -> dict[str, Any]:
 
 def test_compose_services_reference_what_exists() -> None:
     services = compose()["services"]
-    assert {"postgres", "rabbitmq", "migrate", "relay"} <= set(services)
+    assert {"postgres", "rabbitmq", "migrate", "relay", "prometheus", "grafana"} <= set(services)
     known_settings = {config.env_name(f) for f in config.Settings.model_fields}
     commands = set(cli.main.commands)
     for name, service in services.items():
         for dependency in service.get("depends_on", {}):
             assert dependency in services, f"{name} depends on unknown {dependency}"
+        for volume in service.get("volumes", []):
+            assert (ROOT / volume.split(":")[0]).exists(), volume
         if "build" in service:
             assert (ROOT / service["build"]["context"] / service["build"]["dockerfile"]).is_file()
             assert service["command"][0] in commands
@@ -36,6 +189,26 @@ def test_relay_replicas_wait_for_migrations() -> None:
     relay = compose()["services"]["relay"]
     assert relay["depends_on"]["migrate"] == {"condition": "service_completed_successfully"}
     assert relay["deploy"]["replicas"] >= 2
+
+
+def test_systemd_unit() -> None:
+    unit_file = DEPLOY / "systemd" / "outbox-relay.service"
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.read_string(unit_file.read_text(encoding="utf-8"))
+    assert unit["Service"]["ExecStart"].endswith("outbox-relay run")
+    assert unit["Service"]["KillSignal"] == "SIGTERM"
+    assert unit["Service"]["User"] != "root"
+    analyze = shutil.which("systemd-analyze")
+    if analyze:
+        result = subprocess.run(
+            [analyze, "verify", str(unit_file)], capture_output=True, text=True, check=False
+        )
+        problems = [
+            line
+            for line in (result.stdout + result.stderr).splitlines()
+            if line.strip() and "is not executable" not in line
+        ]
+        assert problems == []
 
 
 def test_ci_runs_exactly_the_readme_test_command() -> None:
