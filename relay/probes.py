@@ -41,8 +41,9 @@ class Probes:
         self._server = make_server(
             host, port, self._app, server_class=_ThreadingServer, handler_class=_Quiet
         )
+        # A short poll, so that stop() — at every relay exit — does not wait half a second.
         threading.Thread(
-            target=self._server.serve_forever, name="outbox-probes", daemon=True
+            target=self._server.serve_forever, args=(0.05,), name="outbox-probes", daemon=True
         ).start()
         return int(self._server.server_port)
 

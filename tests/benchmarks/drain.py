@@ -48,11 +48,13 @@ async def delete(amqp_url: str, exchange: str, queue: str) -> int:
 
 
 def drain(database_url: str, amqp_url: str, replicas: int, batch_size: int) -> float:
+    """Seconds from the moment every relay is ready until the last one reports an empty outbox
+    (process start-up and exit are not part of the figure)."""
     env = clean_env(
         OUTBOX_DATABASE_URL=database_url,
         OUTBOX_AMQP_URL=amqp_url,
         OUTBOX_BATCH_SIZE=str(batch_size),
-        OUTBOX_LOG_LEVEL="INFO",
+        OUTBOX_LOG_FORMAT="text",
     )
     procs = [
         subprocess.Popen(
@@ -64,18 +66,22 @@ def drain(database_url: str, amqp_url: str, replicas: int, batch_size: int) -> f
         for _ in range(replicas)
     ]
     for proc in procs:  # start the clock when every relay is connected and ready
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            if " ready: schema=" in line:
-                break
-        else:
+        if not _read_until(proc, " ready: schema="):
             raise SystemExit(f"relay failed to start (exit {proc.wait()})")
     started = time.perf_counter()
-    codes = [proc.wait() for proc in procs]
+    for proc in procs:
+        if not _read_until(proc, "no due rows left"):
+            raise SystemExit(f"relay failed while draining (exit {proc.wait()})")
     elapsed = time.perf_counter() - started
+    codes = [proc.wait() for proc in procs]
     if any(codes):
         raise SystemExit(f"relay exit codes {codes}")
     return elapsed
+
+
+def _read_until(proc: subprocess.Popen[str], text: str) -> bool:
+    assert proc.stderr is not None
+    return any(text in line for line in proc.stderr)
 
 
 def main() -> None:
