@@ -1,21 +1,27 @@
-"""The operator's side of the outbox, as a Python API: blocked keys and key policies (the
-`outbox-relay keys …` commands are a thin layer over it)."""
+"""The operator's side of the outbox, as a Python API: dead letters (list, inspect, replay,
+purge), archive retention, blocked keys and key policies. The `outbox-relay dead|archive|keys`
+commands are a thin layer over it."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from datetime import datetime
-from typing import Any, Literal
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal, TypeVar
 from uuid import UUID
 
 import psycopg
+import psycopg.errors
+from psycopg.rows import class_row
 
 from relay import config, errors, sql
+from relay.filters import DeadFilter
 from relay.pg import translate_errors
 
 OnDead = Literal["block", "skip"]
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,6 +46,59 @@ class KeyPolicy:
     min_interval: float  # seconds between releases of a key's messages
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeadRow:
+    """A dead letter as `dead list` shows it."""
+
+    message_id: UUID
+    failed_at: datetime
+    reason: str
+    detail: str
+    exchange: str
+    routing_key: str
+    ordering_key: str | None
+    seq: int | None
+    attempts: int
+    replays: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeadMessage(DeadRow):
+    """A dead letter in full, as `dead show` shows it."""
+
+    created_at: datetime
+    ambiguous: int
+    replayed_at: datetime | None
+    replayed_from: str | None
+    headers: Mapping[str, Any]
+    properties: Mapping[str, Any]
+    body: bytes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeadGroup:
+    """Dead letters of one reason and exchange, as `dead stats` shows them."""
+
+    reason: str
+    exchange: str
+    count: int
+    first: datetime
+    last: datetime
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ArchiveStats:
+    estimated_rows: int  # PostgreSQL's estimate (exact_rows when asked for)
+    bytes: int  # on disk, with indexes and TOAST
+    oldest: datetime | None
+    newest: datetime | None
+    exact_rows: int | None = None
+
+
+#: Called after each batch of a long operation with the number of rows it moved.
+Progress = Callable[[int], object]
+
+
 class Admin:
     """Operator operations on one outbox schema, over one autocommit connection. Every method
     raises DatabaseUnavailable or SchemaMissing on those failures, InvalidArgument on bad input."""
@@ -59,9 +118,24 @@ class Admin:
             yield cls(conn, schema)
 
     def _rows(self, query: Any, params: dict[str, Any] | None = None) -> list[Any]:
-        with translate_errors(self._schema):
+        with self._errors():
             cur = self._conn.execute(query, params or {})
             return cur.fetchall() if cur.description else []
+
+    def _objects(self, cls: type[T], query: Any, params: dict[str, Any]) -> list[T]:
+        """Rows as instances of a dataclass whose fields are named like the query's columns."""
+        with self._errors():
+            cur = self._conn.cursor(row_factory=class_row(cls))
+            return cur.execute(query, params).fetchall()
+
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
+        """The database's own argument checks (in the SQL functions) become InvalidArgument."""
+        with translate_errors(self._schema):
+            try:
+                yield
+            except psycopg.errors.InvalidParameterValue as exc:
+                raise errors.InvalidArgument(exc.diag.message_primary or str(exc)) from None
 
     def blocked_keys(self) -> list[BlockedKey]:
         """Keys held by the 'block' policy, oldest first."""
@@ -105,3 +179,133 @@ class Admin:
         """Remove a prefix's policy (the default, '', stays); False if there was none."""
         with translate_errors(self._schema):
             return self._conn.execute(self._q.delete_key_policy, {"prefix": prefix}).rowcount > 0
+
+    # Dead letters -------------------------------------------------------------------------------
+
+    def dead_list(self, where: DeadFilter = DeadFilter(), limit: int = 100) -> list[DeadRow]:  # noqa: B008
+        """Dead letters matching `where`, oldest failure first."""
+        if limit < 1:
+            raise errors.InvalidArgument("limit must be at least 1")
+        return self._objects(DeadRow, self._q.dead_list, where.params() | {"limit": limit})
+
+    def dead_count(self, where: DeadFilter = DeadFilter()) -> int:  # noqa: B008
+        (row,) = self._rows(self._q.dead_count, where.params())
+        return int(row[0])
+
+    def dead_get(self, message_id: UUID) -> DeadMessage | None:
+        """The dead letter with this message_id (the latest, if it died more than once)."""
+        rows = self._objects(DeadMessage, self._q.dead_get, {"message_id": message_id})
+        return rows[0] if rows else None
+
+    def dead_stats(self) -> list[DeadGroup]:
+        """Dead letters grouped by reason and exchange, biggest group first."""
+        return self._objects(DeadGroup, self._q.dead_stats, {})
+
+    def dead_replay(
+        self,
+        where: DeadFilter,
+        *,
+        to_exchange: str | None = None,
+        to_routing_key: str | None = None,
+        batch: int = 500,
+        progress: Progress | None = None,
+    ) -> int:
+        """Move the matching dead letters back to messages, `batch` rows per transaction: each row
+        leaves dead in the transaction it enters messages, keeping its message_id, with attempts
+        reset and its provenance recorded (published as x-outbox-replay* headers). Safe to
+        interrupt and run again: a row is moved once, or not at all. Rows whose message_id is
+        already waiting in messages are left in dead. Returns how many moved."""
+        for name, value in (("exchange", to_exchange), ("routing key", to_routing_key)):
+            if value is not None and len(value.encode()) > 255:
+                raise errors.InvalidArgument(f"the new {name} is longer than AMQP's 255 bytes")
+        params = where.params() | {
+            "batch": _batch(batch),
+            "to_exchange": to_exchange,
+            "to_routing_key": to_routing_key,
+            "upto": self._dead_last_id(),
+        }
+        moved = 0
+        while rows := self._rows(self._q.dead_replay_batch, params):
+            moved += len(rows)
+            if progress is not None:
+                progress(len(rows))
+        return moved
+
+    def dead_purge(
+        self, where: DeadFilter, *, batch: int = 1000, progress: Progress | None = None
+    ) -> int:
+        """Delete the matching dead letters for good, `batch` rows per transaction; how many.
+        A purged message that was blocking its key leaves the key blocked: release it."""
+        params = where.params() | {"batch": _batch(batch), "upto": self._dead_last_id()}
+        purged = 0
+        while rows := self._rows(self._q.dead_purge_batch, params):
+            purged += len(rows)
+            if progress is not None:
+                progress(len(rows))
+        return purged
+
+    def _dead_last_id(self) -> int:
+        (row,) = self._rows(self._q.dead_last_id)
+        return int(row[0])
+
+    # The archive --------------------------------------------------------------------------------
+
+    def archive_stats(self, *, exact: bool = False) -> ArchiveStats:
+        (row,) = self._rows(self._q.archive_stats, {"archive": f'"{self._schema}".archive'})
+        exact_rows = None
+        if exact:
+            (count,) = self._rows(self._q.archive_exact_count)
+            exact_rows = int(count[0])
+        return ArchiveStats(max(int(row[0]), 0), int(row[1]), row[2], row[3], exact_rows)
+
+    def archive_count_older(self, older_than: timedelta) -> int:
+        """How many archived rows were published more than `older_than` ago (what a prune with
+        that age would delete now)."""
+        cutoff = datetime.now(UTC) - older_than
+        (row,) = self._rows(self._q.archive_count_older, {"cutoff": cutoff})
+        return int(row[0])
+
+    def archive_prune(
+        self,
+        older_than: timedelta,
+        *,
+        batch: int = 1000,
+        pause: float = 0.05,
+        progress: Progress | None = None,
+        stop: threading.Event | None = None,
+    ) -> int | None:
+        """Delete archived rows published more than `older_than` ago, oldest first, `batch` rows
+        per short transaction with `pause` seconds between batches, so the live queue never
+        waits on a lock and vacuum keeps up. Only one pruner runs at a time per schema: returns
+        None (doing nothing) if another holds the lock, else how many rows were deleted. Setting
+        `stop` ends it after the current batch."""
+        if older_than <= timedelta(0):
+            raise errors.InvalidArgument("older_than must be positive")
+        cutoff = datetime.now(UTC) - older_than
+        stop = stop or threading.Event()
+        lock = {"schema": self._schema}
+        (got,) = self._rows(self._q.prune_lock, lock)
+        if not got[0]:
+            return None
+        deleted = 0
+        try:
+            while True:
+                ((gone, younger),) = self._rows(
+                    self._q.archive_prune_batch, {"batch": _batch(batch), "cutoff": cutoff}
+                )
+                deleted += int(gone)
+                if progress is not None and gone:
+                    progress(gone)
+                if younger or not gone:
+                    return deleted
+                # Spread the deletes out: vacuum and the live queue come first.
+                if stop.wait(pause):
+                    return deleted
+        finally:
+            self._rows(self._q.prune_unlock, lock)
+
+
+def _batch(size: int) -> int:
+    if not 1 <= size <= 100_000:
+        raise errors.InvalidArgument("batch must be from 1 to 100000")
+    return size

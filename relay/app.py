@@ -7,15 +7,19 @@ import contextlib
 import dataclasses
 import logging
 import signal
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from datetime import timedelta
 from typing import TypeVar
 
 import tenacity
 
 from relay import __version__, config, errors, loop, metrics, migrate, model, retry
+from relay.admin import Admin
 from relay.listener import Listener
 from relay.probes import Probes
 from relay.publisher import AmqpPublisher
+from relay.retention import Pruner
 from relay.store import PgStore
 from relay.watch import Watcher
 
@@ -174,7 +178,10 @@ async def run(
         with _signals_set(stop, process.cancel):
             async with components(settings, stop, counters) as parts:
                 process.watcher = _watcher(settings, parts)
-                watching = asyncio.create_task(process.watcher.run(), name="outbox-watcher")
+                chores = [asyncio.create_task(process.watcher.run(), name="outbox-watcher")]
+                if settings.archive_retention > 0:
+                    pruner = _pruner(settings, parts.metrics)
+                    chores.append(asyncio.create_task(pruner.run(), name="outbox-pruner"))
                 try:
                     log.info(
                         "relay %s ready: schema=%s batch_size=%d lease=%gs",
@@ -188,8 +195,9 @@ async def run(
                     process.work = asyncio.create_task(parts.relay.run(stop), name="outbox-relay")
                     await _until_stopped(process.work, stop, settings.shutdown_timeout)
                 finally:
-                    watching.cancel()
-                    await asyncio.gather(watching, return_exceptions=True)
+                    for chore in chores:
+                        chore.cancel()
+                    await asyncio.gather(*chores, return_exceptions=True)
     except StoppedWhileStarting:
         log.info("stopped before it was ready: nothing was claimed")
     finally:
@@ -222,6 +230,17 @@ def _watcher(settings: config.Settings, parts: Components) -> Watcher:
         # Longer than any wait the loop makes on purpose (reconnect back-off, a slow confirm).
         stall_after=max(60.0, 3 * (settings.poll_interval + settings.confirm_timeout) + 30),
     )
+
+
+def _pruner(settings: config.Settings, counters: metrics.Metrics) -> Pruner:
+    database_url = settings.database_url.get_secret_value()
+    retention = timedelta(seconds=settings.archive_retention)
+
+    def prune(stop: threading.Event) -> int | None:
+        with Admin.connect(database_url, settings.db_schema) as ops:
+            return ops.archive_prune(retention, stop=stop)
+
+    return Pruner(prune, settings.archive_prune_interval, counters)
 
 
 async def _drain(relay: loop.Relay) -> model.CycleReport:

@@ -5,89 +5,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import json
 import sys
-from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 
-from relay import __version__, admin, app, config, demo, errors, logs
+from relay import __version__, admin, app, cli_dead, config, demo, errors, logs
 from relay import migrate as migrations
 from relay import top as live
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-CONNECTION = ("database_url", "amqp_url", "db_schema")
-RELAY_KNOBS = (
-    "batch_size",
-    "poll_interval",
-    "lease",
-    "confirm_timeout",
-    "max_attempts",
-    "max_ambiguous",
-    "retry_delay",
-    "retry_max_delay",
-    "shutdown_timeout",
-    "startup_timeout",
-    "relay_name",
-    "log_level",
-    "log_format",
-    "metrics_host",
-    "metrics_port",
-    "stats_interval",
-    "xmin_warning",
+from relay.cli_base import (
+    CONNECTION,
+    RELAY_KNOBS,
+    Group,
+    fail_cleanly,
+    flag,
+    operator,
+    settings_options,
 )
 
-
-def flag(field: str) -> str:
-    """The command-line flag of a setting: OUTBOX_BATCH_SIZE → --batch-size."""
-    return "--" + config.env_name(field).removeprefix("OUTBOX_").lower().replace("_", "-")
+__all__ = ["CONNECTION", "RELAY_KNOBS", "flag", "main"]
 
 
-def settings_options(*fields: str) -> Callable[[F], F]:
-    """Add one flag per setting; a flag wins over its environment variable."""
-
-    def decorate(command: F) -> F:
-        for field in reversed(fields):
-            info = config.Settings.model_fields[field]
-            command = click.option(
-                flag(field),
-                field,
-                default=None,
-                metavar="VALUE",
-                help=f"{info.description} [env: {config.env_name(field)}]",
-            )(command)
-        return command
-
-    return decorate
-
-
-def fail_cleanly(command: F) -> F:
-    """Expected failures print one line on stderr and exit non-zero: 2 for bad settings, 1 else."""
-
-    @functools.wraps(command)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return command(*args, **kwargs)
-        except (errors.ConfigError, errors.InvalidArgument) as exc:
-            _die(str(exc), 2)
-        except errors.RelayError as exc:
-            _die(str(exc), 1)
-        except KeyboardInterrupt:
-            _die("interrupted", 130)
-
-    return wrapper  # type: ignore[return-value]
-
-
-def _die(message: str, code: int) -> None:
-    click.echo(f"outbox-relay: error: {config.redact_secrets(message)}", err=True)
-    sys.exit(code)
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(
+    cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}
+)
 @click.version_option(__version__, prog_name="outbox-relay")
 def main() -> None:
     """Relay committed outbox rows from PostgreSQL to RabbitMQ, with publisher confirms.
@@ -231,8 +174,7 @@ def keys() -> None:
 @fail_cleanly
 def keys_blocked(as_json: bool, **flags: Any) -> None:
     """Keys held because one of their messages was dead-lettered (policy 'block')."""
-    settings = config.load(**flags)
-    with admin.Admin.connect(settings.database_url.get_secret_value(), settings.db_schema) as ops:
+    with operator(flags) as ops:
         blocked = ops.blocked_keys()
     for key in blocked:
         if as_json:
@@ -258,8 +200,7 @@ def keys_blocked(as_json: bool, **flags: Any) -> None:
 @fail_cleanly
 def keys_release(ordering_key: str, replay: bool, **flags: Any) -> None:
     """Let a blocked key go on."""
-    settings = config.load(**flags)
-    with admin.Admin.connect(settings.database_url.get_secret_value(), settings.db_schema) as ops:
+    with operator(flags) as ops:
         if not ops.release_key(ordering_key, replay=replay):
             raise errors.InvalidArgument(f"key {ordering_key!r} is not blocked")
     what = "its dead message goes first" if replay else "skipping its dead message"
@@ -276,8 +217,7 @@ def keys_policy() -> None:
 @fail_cleanly
 def keys_policy_list(**flags: Any) -> None:
     """Every policy ('' is the default for all keys)."""
-    settings = config.load(**flags)
-    with admin.Admin.connect(settings.database_url.get_secret_value(), settings.db_schema) as ops:
+    with operator(flags) as ops:
         for policy in ops.policies():
             _echo_policy(policy)
 
@@ -312,12 +252,11 @@ def keys_policy_set(
     **flags: Any,
 ) -> None:
     """Create or change the policy of keys starting with PREFIX ('' for the default)."""
-    settings = config.load(**flags)
     try:
         interval = None if min_interval is None else config.parse_duration(min_interval)
     except ValueError as exc:
         raise errors.InvalidArgument(f"--min-interval: {exc}") from None
-    with admin.Admin.connect(settings.database_url.get_secret_value(), settings.db_schema) as ops:
+    with operator(flags) as ops:
         _echo_policy(
             ops.set_policy(prefix, on_dead=on_dead, concurrency=concurrency, min_interval=interval)
         )
@@ -329,8 +268,7 @@ def keys_policy_set(
 @fail_cleanly
 def keys_policy_delete(prefix: str, **flags: Any) -> None:
     """Remove the policy of PREFIX (keys fall back to a shorter prefix, or the default)."""
-    settings = config.load(**flags)
-    with admin.Admin.connect(settings.database_url.get_secret_value(), settings.db_schema) as ops:
+    with operator(flags) as ops:
         if not ops.delete_policy(prefix):
             raise errors.InvalidArgument(f"no policy for prefix {prefix!r} (the default stays)")
     click.echo(f"deleted the policy of {prefix!r}")
@@ -341,3 +279,7 @@ def _echo_policy(policy: admin.KeyPolicy) -> None:
         f"{policy.prefix!r:<24} on dead: {policy.on_dead:<5}  concurrency: "
         f"{policy.concurrency:<4}  min interval: {policy.min_interval:g}s"
     )
+
+
+main.add_command(cli_dead.dead)
+main.add_command(cli_dead.archive)

@@ -156,6 +156,16 @@ class Settings(BaseSettings):
         "(seconds).",
     )
 
+    archive_retention: Duration = Field(
+        604800.0,
+        ge=0,
+        description="Archived rows older than this are pruned by the relay, in small batches, by "
+        "one replica at a time (seconds; default 7 days; 0 turns pruning off).",
+    )
+    archive_prune_interval: Duration = Field(
+        3600.0, gt=0, description="How often the relay prunes the archive (seconds)."
+    )
+
     @field_validator("db_schema")
     @classmethod
     def _schema_is_identifier(cls, value: str) -> str:

@@ -100,6 +100,16 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        # What the archive pruner did.
+        self.pruned = Counter(
+            "outbox_archive_pruned", "Archived rows deleted by retention.", registry=r
+        )
+        self.prune_runs = Counter(
+            "outbox_archive_prune_runs",
+            "Scheduled prune runs, by result: done, skipped (another replica was pruning), failed.",
+            ["result"],
+            registry=r,
+        )
         # What the watcher observes.
         self.messages = Gauge(
             "outbox_messages",
@@ -168,6 +178,8 @@ class Metrics:
             self.dead.labels(reason.value)
         for why in RETRY_CLASSES:
             self.retried.labels(why)
+        for result in ("done", "skipped", "failed"):
+            self.prune_runs.labels(result)
 
     def record(self, report: model.CycleReport) -> None:
         """Count what one cycle did."""

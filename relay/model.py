@@ -16,6 +16,9 @@ RESERVED_HEADER_PREFIX = "x-outbox-"
 ATTEMPT_HEADER = "x-outbox-attempt"
 ORDERING_KEY_HEADER = "x-outbox-ordering-key"
 SEQUENCE_HEADER = "x-outbox-sequence"  # 1, 2, 3… within an ordering key, in commit order
+REPLAYS_HEADER = "x-outbox-replays"  # provenance of a message an operator replayed from dead
+REPLAYED_AT_HEADER = "x-outbox-replayed-at"
+REPLAYED_FROM_HEADER = "x-outbox-replayed-from"
 
 #: The AMQP basic properties a producer may set through `properties` (the rest are the relay's).
 SETTABLE_PROPERTIES = frozenset(
@@ -54,6 +57,10 @@ class OutboxMessage:
     invalid: str | None = None
     #: Its number within its ordering key (None without a key).
     seq: int | None = None
+    #: How often an operator replayed it from dead, when last, and from which dead reason.
+    replays: int = 0
+    replayed_at: datetime | None = None
+    replayed_from: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

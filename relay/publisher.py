@@ -358,6 +358,11 @@ class AmqpPublisher:
             headers[model.ORDERING_KEY_HEADER] = message.ordering_key
         if message.seq is not None:
             headers[model.SEQUENCE_HEADER] = message.seq
+        if message.replays:
+            headers[model.REPLAYS_HEADER] = message.replays
+            headers[model.REPLAYED_FROM_HEADER] = message.replayed_from or ""
+            if message.replayed_at is not None:
+                headers[model.REPLAYED_AT_HEADER] = message.replayed_at.isoformat()
         try:
             _check_field_names(headers)
             properties = commands.Basic.Properties(

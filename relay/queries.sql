@@ -25,7 +25,7 @@ FROM due
 WHERE m.id = due.id
 RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.body, m.headers::text,
           m.properties::text, m.ordering_key, m.created_at, m.attempts, m.ambiguous, m.last_error,
-          m.seq;
+          m.seq, m.replays, m.replayed_at, m.replayed_from;
 
 -- name: claim_orphans
 -- The same for orphans: rows whose lease ran out without a settle because their relay died.
@@ -48,7 +48,7 @@ FROM due
 WHERE m.id = due.id
 RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.body, m.headers::text,
           m.properties::text, m.ordering_key, m.created_at, m.attempts, m.ambiguous, m.last_error,
-          m.seq;
+          m.seq, m.replays, m.replayed_at, m.replayed_from;
 
 -- name: bury_exhausted
 -- Orphans that used up their attempts go to dead here, in SQL: their body never reaches a relay,
@@ -64,12 +64,14 @@ WITH gone AS (
         FOR UPDATE SKIP LOCKED
     )
     RETURNING message_id, exchange, routing_key, body, headers, properties, ordering_key, seq,
-              attempts, ambiguous, created_at, claimed_by, last_error
+              attempts, ambiguous, created_at, claimed_by, last_error, replays, replayed_at,
+              replayed_from
 )
 INSERT INTO {schema}.dead (message_id, exchange, routing_key, body, headers, properties,
-                           ordering_key, seq, attempts, ambiguous, created_at, reason, detail)
+                           ordering_key, seq, attempts, ambiguous, created_at, replays,
+                           replayed_at, replayed_from, reason, detail)
 SELECT message_id, exchange, routing_key, body, headers, properties, ordering_key, seq,
-       attempts, ambiguous, created_at, 'max_attempts',
+       attempts, ambiguous, created_at, replays, replayed_at, replayed_from, 'max_attempts',
        format('claimed %%s times and never settled: the relays publishing it died or lost '
               'their lease (last claimed by %%s; last error: %%s)',
               attempts, coalesce(claimed_by, 'unknown'), coalesce(last_error, 'none'))
@@ -95,12 +97,13 @@ WITH done AS (
     DELETE FROM {schema}.messages
     WHERE id = ANY(%(ids)s::bigint[]) AND claim_id = %(claim_id)s
     RETURNING message_id, exchange, routing_key, body, headers, properties, ordering_key, seq,
-              attempts, ambiguous, created_at
+              attempts, ambiguous, created_at, replays, replayed_at, replayed_from
 )
 INSERT INTO {schema}.archive (message_id, exchange, routing_key, body, headers, properties,
-                              ordering_key, seq, attempts, ambiguous, created_at)
+                              ordering_key, seq, attempts, ambiguous, created_at, replays,
+                              replayed_at, replayed_from)
 SELECT message_id, exchange, routing_key, body, headers, properties, ordering_key, seq,
-       attempts, ambiguous, created_at
+       attempts, ambiguous, created_at, replays, replayed_at, replayed_from
 FROM done
 RETURNING message_id, ordering_key, seq, NULL::text AS reason;
 
@@ -114,12 +117,14 @@ WITH failed AS (
     USING failed AS f
     WHERE m.id = f.id AND m.claim_id = %(claim_id)s
     RETURNING m.message_id, m.exchange, m.routing_key, m.body, m.headers, m.properties,
-              m.ordering_key, m.seq, m.attempts, m.ambiguous, m.created_at, f.reason, f.detail
+              m.ordering_key, m.seq, m.attempts, m.ambiguous, m.created_at, m.replays,
+              m.replayed_at, m.replayed_from, f.reason, f.detail
 )
 INSERT INTO {schema}.dead (message_id, exchange, routing_key, body, headers, properties,
-                           ordering_key, seq, attempts, ambiguous, created_at, reason, detail)
+                           ordering_key, seq, attempts, ambiguous, created_at, replays,
+                           replayed_at, replayed_from, reason, detail)
 SELECT message_id, exchange, routing_key, body, headers, properties, ordering_key, seq,
-       attempts, ambiguous, created_at, reason, detail
+       attempts, ambiguous, created_at, replays, replayed_at, replayed_from, reason, detail
 FROM gone
 RETURNING message_id, ordering_key, seq, reason;
 
@@ -281,3 +286,106 @@ LEFT JOIN LATERAL (
 SELECT relname, n_tup_ins
 FROM pg_stat_user_tables
 WHERE schemaname = %(schema)s AND relname IN ('messages', 'archive', 'dead');
+
+-- name: dead_list
+SELECT message_id, failed_at, reason, detail, exchange, routing_key, ordering_key, seq, attempts,
+       replays
+FROM {schema}.dead_select(%(reasons)s::text[], %(exchange)s::text, %(routing_key)s::text,
+                          %(key)s::text, %(since)s::timestamptz, %(until)s::timestamptz,
+                          %(ids)s::uuid[])
+ORDER BY failed_at, id
+LIMIT %(limit)s;
+
+-- name: dead_count
+SELECT count(*)
+FROM {schema}.dead_select(%(reasons)s::text[], %(exchange)s::text, %(routing_key)s::text,
+                          %(key)s::text, %(since)s::timestamptz, %(until)s::timestamptz,
+                          %(ids)s::uuid[]);
+
+-- name: dead_get
+SELECT message_id, failed_at, reason, detail, exchange, routing_key, ordering_key, seq, attempts,
+       replays, created_at, ambiguous, replayed_at, replayed_from, headers, properties, body
+FROM {schema}.dead
+WHERE message_id = %(message_id)s
+ORDER BY id DESC
+LIMIT 1;
+
+-- name: dead_last_id
+-- Replay and purge act on the rows dead when they start, not on ones that die meanwhile.
+SELECT coalesce(max(id), 0) FROM {schema}.dead;
+
+-- name: dead_stats
+SELECT reason, exchange, count(*) AS count, min(failed_at) AS first, max(failed_at) AS last
+FROM {schema}.dead
+GROUP BY reason, exchange
+ORDER BY count(*) DESC, reason, exchange;
+
+-- name: dead_replay_batch
+-- One batch of a replay, one transaction: the next rows of the filter (skipping ones another
+-- replay holds, and ones whose message_id is already waiting), moved by replay_dead.
+SELECT message_id
+FROM {schema}.replay_dead(
+    ARRAY(SELECT d.id
+          FROM {schema}.dead AS d
+          WHERE d.id IN (SELECT s.id
+                         FROM {schema}.dead_select(%(reasons)s::text[], %(exchange)s::text,
+                                                   %(routing_key)s::text, %(key)s::text,
+                                                   %(since)s::timestamptz, %(until)s::timestamptz,
+                                                   %(ids)s::uuid[]) AS s)
+            AND d.id <= %(upto)s
+            AND NOT EXISTS (SELECT 1 FROM {schema}.messages AS m WHERE m.message_id = d.message_id)
+          ORDER BY d.id
+          LIMIT %(batch)s
+          FOR UPDATE SKIP LOCKED),
+    %(to_exchange)s::text, %(to_routing_key)s::text) AS message_id;
+
+-- name: dead_purge_batch
+-- One batch of a purge, one transaction.
+DELETE FROM {schema}.dead
+WHERE id IN (SELECT d.id
+             FROM {schema}.dead AS d
+             WHERE d.id IN (SELECT s.id
+                            FROM {schema}.dead_select(%(reasons)s::text[], %(exchange)s::text,
+                                                      %(routing_key)s::text, %(key)s::text,
+                                                      %(since)s::timestamptz,
+                                                      %(until)s::timestamptz,
+                                                      %(ids)s::uuid[]) AS s)
+               AND d.id <= %(upto)s
+             ORDER BY d.id
+             LIMIT %(batch)s
+             FOR UPDATE SKIP LOCKED)
+RETURNING message_id;
+
+-- name: archive_prune_batch
+-- Delete the archive's oldest rows, by id (ids grow with published_at), if older than the cutoff.
+-- Returns how many were deleted and how many of the batch were too young (then pruning is done).
+WITH oldest AS (
+    SELECT id, published_at FROM {schema}.archive ORDER BY id LIMIT %(batch)s
+), gone AS (
+    DELETE FROM {schema}.archive AS a
+    USING oldest AS o
+    WHERE a.id = o.id AND o.published_at < %(cutoff)s
+    RETURNING a.id
+)
+SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM oldest WHERE published_at >= %(cutoff)s);
+
+-- name: archive_stats
+SELECT c.reltuples::bigint,
+       pg_total_relation_size(c.oid),
+       (SELECT published_at FROM {schema}.archive ORDER BY id LIMIT 1),
+       (SELECT published_at FROM {schema}.archive ORDER BY id DESC LIMIT 1)
+FROM pg_class AS c
+WHERE c.oid = to_regclass(%(archive)s);
+
+-- name: archive_exact_count
+SELECT count(*) FROM {schema}.archive;
+
+-- name: prune_lock
+-- One pruner at a time per schema, across replicas and operators (session-level, non-blocking).
+SELECT pg_try_advisory_lock(hashtextextended('outbox-relay prune ' || %(schema)s, 0));
+
+-- name: prune_unlock
+SELECT pg_advisory_unlock(hashtextextended('outbox-relay prune ' || %(schema)s, 0));
+
+-- name: archive_count_older
+SELECT count(*) FROM {schema}.archive WHERE published_at < %(cutoff)s;

@@ -47,6 +47,19 @@ class Queries:
     delete_key_policy: LiteralString
     observe: LiteralString
     table_inserts: LiteralString
+    dead_list: LiteralString
+    dead_count: LiteralString
+    dead_get: LiteralString
+    dead_last_id: LiteralString
+    dead_stats: LiteralString
+    dead_replay_batch: LiteralString
+    dead_purge_batch: LiteralString
+    archive_prune_batch: LiteralString
+    archive_stats: LiteralString
+    archive_exact_count: LiteralString
+    archive_count_older: LiteralString
+    prune_lock: LiteralString
+    prune_unlock: LiteralString
 
 
 def parse(text: str) -> dict[str, str]:

@@ -279,6 +279,9 @@ def _message(row: Any) -> model.OutboxMessage:
         last_error=row.last_error,
         invalid=invalid,
         seq=row.seq,
+        replays=row.replays,
+        replayed_at=row.replayed_at,
+        replayed_from=row.replayed_from,
     )
 
 

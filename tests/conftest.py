@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -80,3 +81,11 @@ async def broker(amqp_url: str) -> AsyncIterator[amqp.Broker]:
     """An exchange and a queue named for this test alone (declared by the test), deleted after."""
     async with amqp.broker(amqp_url) as b:
         yield b
+
+
+@pytest.fixture
+def closed_port() -> Iterator[int]:
+    """A local port where nothing listens (bound, never listening: connection refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield int(s.getsockname()[1])

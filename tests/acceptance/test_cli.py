@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import socket
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -14,27 +12,7 @@ import pytest
 import relay
 from relay import migrate
 from tests.support.amqp import Broker
-from tests.support.processes import RelayProcess, clean_env, run_cli
-
-
-@pytest.fixture
-def closed_port() -> Iterator[int]:
-    """A local port where nothing listens (bound, never listening: connection refused)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        yield int(s.getsockname()[1])
-
-
-def assert_one_line_error(result: object, code: int, *fragments: str) -> None:
-    completed = result  # subprocess.CompletedProcess[str]
-    stderr: str = completed.stderr  # type: ignore[attr-defined]
-    assert completed.returncode == code, stderr  # type: ignore[attr-defined]
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, stderr
-    assert lines[0].startswith("outbox-relay: error: ")
-    assert "Traceback" not in stderr
-    for fragment in fragments:
-        assert fragment in lines[0]
+from tests.support.processes import RelayProcess, assert_one_line_error, clean_env, run_cli
 
 
 def test_migrate_twice_then_stats(empty_database_url: str) -> None:

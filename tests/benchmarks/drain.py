@@ -24,7 +24,6 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from relay import migrate
 from tests.support import services
 from tests.support.processes import clean_env
 
@@ -97,36 +96,27 @@ def main() -> None:
         help="spread the messages over this many ordering keys (0: unkeyed)",
     )
     args = parser.parse_args()
-    with services.discover() as svc:
-        name = f"outbox_bench_{uuid.uuid4().hex[:8]}"
-        with psycopg.connect(svc.database_url, autocommit=True) as admin:
-            admin.execute(f'CREATE DATABASE "{name}"')
-        url = svc.with_database(name)
-        exchange = queue = f"outbox-bench.{name}"
-        try:
-            migrate.migrate(url, "outbox")
-            asyncio.run(declare(svc.amqp_url, exchange, queue))
-            with psycopg.connect(url) as conn:
-                conn.execute(
-                    "SELECT outbox.enqueue(%s, 'bench.' || i, convert_to(repeat('x', %s), 'UTF8'),"
-                    " ordering_key => CASE WHEN %s > 0 THEN 'key-' || i %% %s END)"
-                    " FROM generate_series(1, %s) AS i",
-                    [exchange, args.size, args.keys, max(args.keys, 1), args.messages],
-                )
-                conn.commit()
-            elapsed = drain(url, svc.amqp_url, args.replicas, args.batch_size)
-            delivered = asyncio.run(delete(svc.amqp_url, exchange, queue))
-            with psycopg.connect(url) as conn:
-                archived = conn.execute("SELECT count(*) FROM outbox.archive").fetchone()
-            print(
-                f"drain: {args.messages} messages of {args.size} B"
-                f"{f', {args.keys} keys' if args.keys else ''}, {args.replicas} replica(s), "
-                f"batch {args.batch_size}: {elapsed:.2f}s = {args.messages / elapsed:,.0f} msg/s "
-                f"(archived {archived[0] if archived else '?'}, in queue {delivered})"
+    with services.discover() as svc, svc.scratch_database("outbox_bench") as url:
+        exchange = queue = f"outbox-bench.{uuid.uuid4().hex[:8]}"
+        asyncio.run(declare(svc.amqp_url, exchange, queue))
+        with psycopg.connect(url) as conn:
+            conn.execute(
+                "SELECT outbox.enqueue(%s, 'bench.' || i, convert_to(repeat('x', %s), 'UTF8'),"
+                " ordering_key => CASE WHEN %s > 0 THEN 'key-' || i %% %s END)"
+                " FROM generate_series(1, %s) AS i",
+                [exchange, args.size, args.keys, max(args.keys, 1), args.messages],
             )
-        finally:
-            with psycopg.connect(svc.database_url, autocommit=True) as admin:
-                admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            conn.commit()
+        elapsed = drain(url, svc.amqp_url, args.replicas, args.batch_size)
+        delivered = asyncio.run(delete(svc.amqp_url, exchange, queue))
+        with psycopg.connect(url) as conn:
+            archived = conn.execute("SELECT count(*) FROM outbox.archive").fetchone()
+        print(
+            f"drain: {args.messages} messages of {args.size} B"
+            f"{f', {args.keys} keys' if args.keys else ''}, {args.replicas} replica(s), "
+            f"batch {args.batch_size}: {elapsed:.2f}s = {args.messages / elapsed:,.0f} msg/s "
+            f"(archived {archived[0] if archived else '?'}, in queue {delivered})"
+        )
 
 
 if __name__ == "__main__":

@@ -22,9 +22,10 @@ def clean_env(**settings: str) -> dict[str, str]:
 
 
 def run_cli(
-    *args: str, env: Mapping[str, str] | None = None, timeout: float = 60
+    *args: str, env: Mapping[str, str] | None = None, timeout: float = 60, answer: str | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run `outbox-relay ARGS` to completion and capture its output."""
+    """Run `outbox-relay ARGS` to completion and capture its output; `answer` is its stdin
+    (else it has none, as under CI)."""
     return subprocess.run(
         [sys.executable, "-m", "relay", *args],
         env=dict(env or clean_env()),
@@ -32,8 +33,23 @@ def run_cli(
         text=True,
         timeout=timeout,
         check=False,
-        stdin=subprocess.DEVNULL,
+        input=answer,
+        stdin=None if answer is not None else subprocess.DEVNULL,
     )
+
+
+def assert_one_line_error(
+    result: subprocess.CompletedProcess[str], code: int, *fragments: str
+) -> None:
+    """The command failed with `code` and one line on stderr that holds every fragment."""
+    stderr = result.stderr
+    assert result.returncode == code, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("outbox-relay: error: ")
+    assert "Traceback" not in stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
 
 
 class RelayProcess:

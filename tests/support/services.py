@@ -8,10 +8,15 @@ import os
 import shutil
 import socket
 import subprocess
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+import psycopg
+
+from relay import migrate
 
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
@@ -27,6 +32,20 @@ class Services:
     def with_database(self, name: str) -> str:
         """The admin URL pointed at database `name`."""
         return urlsplit(self.database_url)._replace(path=f"/{name}").geturl()
+
+    @contextlib.contextmanager
+    def scratch_database(self, prefix: str) -> Iterator[str]:
+        """A new database with the outbox schema migrated, dropped on exit; its URL."""
+        name = f"{prefix}_{uuid.uuid4().hex[:8]}"
+        with psycopg.connect(self.database_url, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        try:
+            url = self.with_database(name)
+            migrate.migrate(url, "outbox")
+            yield url
+        finally:
+            with psycopg.connect(self.database_url, autocommit=True) as conn:
+                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def reachable(url: str, default_port: int) -> bool:

@@ -1,0 +1,242 @@
+"""`outbox-relay dead …` and `archive …` as an operator runs them: output, exit codes, prompts,
+one-line errors, and a replay killed half-way and run again."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+
+from tests.integration.test_dead_letters import archive, bury, rows
+from tests.support.processes import RelayProcess, assert_one_line_error, clean_env, run_cli
+from tests.support.wait import until
+
+
+@pytest.fixture
+def env(database_url: str) -> dict[str, str]:
+    return clean_env(OUTBOX_DATABASE_URL=database_url)
+
+
+def snapshot(url: str) -> list[tuple[Any, ...]]:
+    return rows(url, "SELECT * FROM outbox.dead ORDER BY id") + rows(
+        url, "SELECT message_id FROM outbox.messages ORDER BY message_id"
+    )
+
+
+def test_list_show_and_stats(env: dict[str, str], database_url: str) -> None:
+    old = bury(database_url, 3, reason="rejected", routing_key="orders.eu.created")
+    bury(database_url, 2, reason="unroutable", exchange="billing", routing_key="invoice.paid")
+    with psycopg.connect(database_url) as conn:  # one failed a day ago
+        conn.execute(
+            "UPDATE outbox.dead SET failed_at = now() - interval '1 day' WHERE message_id = %s",
+            (old[0],),
+        )
+    listed = run_cli(
+        "dead", "list", "--routing-key", "orders.*", "--since", "2h", "--json", env=env
+    )
+    assert listed.returncode == 0, listed.stderr
+    got = json.loads(listed.stdout)
+    assert sorted(r["message_id"] for r in got) == sorted(str(m) for m in old[1:])
+    assert {r["reason"] for r in got} == {"rejected"}
+    lines = run_cli("dead", "list", "--reason", "unroutable", "--jsonl", env=env).stdout
+    assert [json.loads(line)["exchange"] for line in lines.splitlines()] == ["billing"] * 2
+    table = run_cli("dead", "list", "--limit", "2", env=env).stdout
+    assert str(old[0]) in table  # oldest failure first
+    assert "… and 3 more" in table
+    shown = run_cli("dead", "show", str(old[0]), "--json", env=env)
+    record = json.loads(shown.stdout)
+    assert (record["message_id"], record["routing_key"]) == (str(old[0]), "orders.eu.created")
+    assert record["body"] == {
+        "bytes": 36,
+        "encoding": "utf-8",
+        "text": str(old[0]),
+        "truncated": False,
+    }
+    stats = json.loads(run_cli("dead", "stats", "--json", env=env).stdout)
+    assert [(s["reason"], s["exchange"], s["count"]) for s in stats] == [
+        ("rejected", "x", 3),
+        ("unroutable", "billing", 2),
+    ]
+    assert "total" in run_cli("dead", "stats", env=env).stdout
+
+
+def test_show_is_safe_with_binary_and_hostile_text(env: dict[str, str], database_url: str) -> None:
+    (binary,) = bury(database_url, 1)
+    (hostile,) = bury(database_url, 1)
+    with psycopg.connect(database_url) as conn:
+        conn.execute(
+            "UPDATE outbox.dead SET body = %s WHERE message_id = %s", (b"\x00\xff" * 3000, binary)
+        )
+        conn.execute(
+            "UPDATE outbox.dead SET body = %s, detail = %s WHERE message_id = %s",
+            (b"\x1b[2Jgone", "\x1b]0;pwned\x07", hostile),
+        )
+    short = run_cli("dead", "show", str(binary), env=env).stdout
+    assert "6,000 bytes, shown as base64" in short
+    assert "truncated at 2,000 characters" in short
+    full = json.loads(run_cli("dead", "show", str(binary), "--full", "--json", env=env).stdout)
+    assert (full["body"]["encoding"], len(full["body"]["text"]), full["body"]["truncated"]) == (
+        "base64",
+        8000,
+        False,
+    )
+    shown = run_cli("dead", "show", str(hostile), env=env).stdout
+    assert "\x1b" not in shown
+    assert "\\x1b]0;pwned\\x07" in shown
+
+
+def test_errors_are_one_clear_line(env: dict[str, str], closed_port: int) -> None:
+    missing = str(uuid.uuid4())
+    assert_one_line_error(
+        run_cli("dead", "show", missing, env=env), 1, f"no dead letter with message_id {missing}"
+    )
+    assert_one_line_error(run_cli("dead", "show", "42", env=env), 2, "not a message id: '42'")
+    assert_one_line_error(
+        run_cli("dead", "list", "--since", "last tuesday", env=env), 2, "not a time"
+    )
+    assert_one_line_error(
+        run_cli("dead", "list", "--since", "1h", "--until", "2h", env=env),
+        2,
+        "--since must be before --until",
+    )
+    assert_one_line_error(
+        run_cli("dead", "list", "--reason", "gone", env=env),
+        2,
+        "'--reason'",
+        "'gone' is not one of",
+    )
+    assert_one_line_error(
+        run_cli("dead", "list", "--json", "--jsonl", env=env), 2, "exclude each other"
+    )
+    assert_one_line_error(run_cli("dead", "replay", env=env), 2, "--all")
+    assert_one_line_error(run_cli("dead", "purge", "--yes", env=env), 2, "--all")
+    assert_one_line_error(run_cli("archive", "prune", env=env), 2, "--older-than")
+    url = f"postgresql://ops:s3cret@127.0.0.1:{closed_port}/db"
+    down = run_cli("dead", "list", env=clean_env(OUTBOX_DATABASE_URL=url))
+    assert_one_line_error(down, 1, "PostgreSQL unavailable")
+    assert "s3cret" not in down.stderr
+
+
+def test_replay_dry_run_then_for_real(env: dict[str, str], database_url: str) -> None:
+    ids = bury(database_url, 25, reason="no_exchange", exchange="gone")
+    bury(database_url, 3, reason="rejected")
+    before = snapshot(database_url)
+    dry = run_cli(
+        "dead", "replay", "--reason", "no_exchange", "--to-exchange", "orders", "--dry-run", env=env
+    )
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.startswith("would replay 25 dead letters to exchange 'orders':")
+    assert "… and 5 more" in dry.stdout
+    assert snapshot(database_url) == before
+    done = run_cli("dead", "replay", "--reason", "no_exchange", "--to-exchange", "orders", env=env)
+    assert done.stdout.strip() == "replayed 25 dead letters to exchange 'orders'"
+    moved = rows(
+        database_url, "SELECT message_id, exchange, attempts, replays FROM outbox.messages"
+    )
+    assert sorted(moved) == sorted((m, "orders", 0, 1) for m in ids)
+    assert rows(database_url, "SELECT reason FROM outbox.dead") == [("rejected",)] * 3
+    assert run_cli("dead", "replay", "--all", env=env).stdout.strip() == "replayed 3 dead letters"
+
+
+def test_purge_dry_run_changes_nothing_and_asks_first(
+    env: dict[str, str], database_url: str
+) -> None:
+    bury(database_url, 4, reason="rejected")
+    keep = bury(database_url, 2, reason="unroutable")
+    before = snapshot(database_url)
+    dry = run_cli("dead", "purge", "--reason", "rejected", "--dry-run", env=env)
+    assert dry.stdout.startswith("would purge 4 dead letters:")
+    assert snapshot(database_url) == before
+    declined = run_cli("dead", "purge", "--reason", "rejected", env=env, answer="n\n")
+    assert declined.returncode == 1
+    assert "delete 4 dead letters for good?" in declined.stderr
+    assert snapshot(database_url) == before
+    no_terminal = run_cli("dead", "purge", "--reason", "rejected", env=env)  # no stdin: no
+    assert no_terminal.returncode == 1
+    assert snapshot(database_url) == before
+    agreed = run_cli("dead", "purge", "--reason", "rejected", env=env, answer="y\n")
+    assert agreed.stdout.strip() == "purged 4 dead letters"
+    assert rows(database_url, "SELECT message_id FROM outbox.dead ORDER BY id") == [
+        (k,) for k in keep
+    ]
+    assert (
+        run_cli("dead", "purge", "--all", "--yes", env=env).stdout.strip()
+        == "purged 2 dead letters"
+    )
+
+
+@pytest.mark.slow
+def test_a_replay_killed_half_way_run_again_moves_everything_once(
+    env: dict[str, str], database_url: str
+) -> None:
+    ids = set(bury(database_url, 20_000))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relay", "dead", "replay", "--all", "--batch", "3"],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        until(lambda: rows(database_url, "SELECT count(*) FROM outbox.messages")[0][0] >= 300)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    # Its server session may still commit the batch it was running: wait until it is gone.
+    until(
+        lambda: (
+            not rows(
+                database_url,
+                "SELECT 1 FROM pg_stat_activity WHERE application_name = 'outbox-relay admin'"
+                " AND datname = current_database()",
+            )
+        ),
+        message="the killed replay's session to end",
+    )
+    (moved,) = rows(database_url, "SELECT count(*) FROM outbox.messages")[0]
+    (left,) = rows(database_url, "SELECT count(*) FROM outbox.dead")[0]
+    assert 300 <= moved < 20_000  # killed half-way …
+    assert moved + left == 20_000  # … and every row is in exactly one place
+    again = run_cli("dead", "replay", "--all", env=env)
+    assert again.stdout.strip() == f"replayed {left:,} dead letters"
+    got = [r[0] for r in rows(database_url, "SELECT message_id FROM outbox.messages")]
+    assert len(got) == len(set(got)) == 20_000
+    assert set(got) == ids
+
+
+def test_archive_prune_and_stats(env: dict[str, str], database_url: str) -> None:
+    archive(database_url, 7000, timedelta(days=9))
+    archive(database_url, 300, timedelta(hours=2))
+    stats = json.loads(run_cli("archive", "stats", "--exact", "--json", env=env).stdout)
+    assert stats["exact_rows"] == 7300
+    assert stats["bytes"] > 0
+    dry = run_cli("archive", "prune", "--older-than", "7d", "--dry-run", env=env)
+    assert dry.stdout.startswith("would delete 7,000 archived rows published before ")
+    assert rows(database_url, "SELECT count(*) FROM outbox.archive") == [(7300,)]
+    done = run_cli("archive", "prune", "--older-than", "7d", "--batch", "1000", env=env)
+    assert done.stdout.startswith("deleted 7,000 archived rows published before "), done.stderr
+    assert rows(database_url, "SELECT count(*) FROM outbox.archive") == [(300,)]
+    assert "rows    300" in run_cli("archive", "stats", "--exact", env=env).stdout
+
+
+@pytest.mark.slow
+def test_a_running_relay_prunes_the_archive(database_url: str, amqp_url: str) -> None:
+    archive(database_url, 2500, timedelta(days=2))
+    archive(database_url, 10, timedelta(minutes=5))
+    env = clean_env(
+        OUTBOX_DATABASE_URL=database_url,
+        OUTBOX_AMQP_URL=amqp_url,
+        OUTBOX_ARCHIVE_RETENTION="1d",
+        OUTBOX_LOG_FORMAT="text",
+    )
+    with RelayProcess(env) as relay:
+        relay.wait_for("archive pruned: 2500 rows deleted")
+        assert relay.stop() == 0
+    assert rows(database_url, "SELECT count(*) FROM outbox.archive") == [(10,)]
