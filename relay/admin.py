@@ -222,27 +222,30 @@ class Admin:
             "batch": _batch(batch),
             "to_exchange": to_exchange,
             "to_routing_key": to_routing_key,
-            "upto": self._dead_last_id(),
         }
-        moved = 0
-        while rows := self._rows(self._q.dead_replay_batch, params):
-            moved += len(rows)
-            if progress is not None:
-                progress(len(rows))
-        return moved
+        return self._batches(self._q.dead_replay_batch, params, progress)
 
     def dead_purge(
         self, where: DeadFilter, *, batch: int = 1000, progress: Progress | None = None
     ) -> int:
         """Delete the matching dead letters for good, `batch` rows per transaction; how many.
         A purged message that was blocking its key leaves the key blocked: release it."""
-        params = where.params() | {"batch": _batch(batch), "upto": self._dead_last_id()}
-        purged = 0
-        while rows := self._rows(self._q.dead_purge_batch, params):
-            purged += len(rows)
-            if progress is not None:
-                progress(len(rows))
-        return purged
+        params = where.params() | {"batch": _batch(batch)}
+        return self._batches(self._q.dead_purge_batch, params, progress)
+
+    def _batches(self, query: Any, params: dict[str, Any], progress: Progress | None) -> int:
+        """Run a batch query over the dead rows that exist now, in id order, until none is
+        left; how many rows it acted on. Each batch returns its last id and its count."""
+        params = params | {"upto": self._dead_last_id(), "after": 0}
+        done = 0
+        while True:
+            ((last, count),) = self._rows(query, params)
+            if last is None:
+                return done
+            params["after"] = last
+            done += count
+            if progress is not None and count:
+                progress(count)
 
     def _dead_last_id(self) -> int:
         (row,) = self._rows(self._q.dead_last_id)

@@ -79,7 +79,7 @@ class DeadFilter:
         return self == DeadFilter()
 
     def params(self) -> dict[str, Any]:
-        """The parameters of the dead_select() SQL function."""
+        """The parameters of the dead_matches() SQL function, by name."""
         return {
             "reasons": list(self.reasons) if self.reasons else None,
             "exchange": self.exchange,

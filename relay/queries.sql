@@ -290,17 +290,19 @@ WHERE schemaname = %(schema)s AND relname IN ('messages', 'archive', 'dead');
 -- name: dead_list
 SELECT message_id, failed_at, reason, detail, exchange, routing_key, ordering_key, seq, attempts,
        replays
-FROM {schema}.dead_select(%(reasons)s::text[], %(exchange)s::text, %(routing_key)s::text,
-                          %(key)s::text, %(since)s::timestamptz, %(until)s::timestamptz,
-                          %(ids)s::uuid[])
+FROM {schema}.dead AS d
+WHERE {schema}.dead_matches(d, %(reasons)s::text[], %(exchange)s::text, %(routing_key)s::text,
+                              %(key)s::text, %(since)s::timestamptz, %(until)s::timestamptz,
+                              %(ids)s::uuid[])
 ORDER BY failed_at, id
 LIMIT %(limit)s;
 
 -- name: dead_count
 SELECT count(*)
-FROM {schema}.dead_select(%(reasons)s::text[], %(exchange)s::text, %(routing_key)s::text,
-                          %(key)s::text, %(since)s::timestamptz, %(until)s::timestamptz,
-                          %(ids)s::uuid[]);
+FROM {schema}.dead AS d
+WHERE {schema}.dead_matches(d, %(reasons)s::text[], %(exchange)s::text, %(routing_key)s::text,
+                              %(key)s::text, %(since)s::timestamptz, %(until)s::timestamptz,
+                              %(ids)s::uuid[]);
 
 -- name: dead_get
 SELECT message_id, failed_at, reason, detail, exchange, routing_key, ordering_key, seq, attempts,
@@ -321,40 +323,42 @@ GROUP BY reason, exchange
 ORDER BY count(*) DESC, reason, exchange;
 
 -- name: dead_replay_batch
--- One batch of a replay, one transaction: the next rows of the filter (skipping ones another
--- replay holds, and ones whose message_id is already waiting), moved by replay_dead.
-SELECT message_id
-FROM {schema}.replay_dead(
-    ARRAY(SELECT d.id
-          FROM {schema}.dead AS d
-          WHERE d.id IN (SELECT s.id
-                         FROM {schema}.dead_select(%(reasons)s::text[], %(exchange)s::text,
-                                                   %(routing_key)s::text, %(key)s::text,
-                                                   %(since)s::timestamptz, %(until)s::timestamptz,
-                                                   %(ids)s::uuid[]) AS s)
-            AND d.id <= %(upto)s
-            AND NOT EXISTS (SELECT 1 FROM {schema}.messages AS m WHERE m.message_id = d.message_id)
-          ORDER BY d.id
-          LIMIT %(batch)s
-          FOR UPDATE SKIP LOCKED),
-    %(to_exchange)s::text, %(to_routing_key)s::text) AS message_id;
+-- One batch of a replay, one transaction: the filter's next rows by id after the last batch
+-- (skipping rows another replay holds, and rows whose message_id is already waiting), moved by
+-- replay_dead. Returns the batch's last id (NULL: nothing left) and how many rows moved.
+WITH picked AS (
+    SELECT d.id
+    FROM {schema}.dead AS d
+    WHERE {schema}.dead_matches(d, %(reasons)s::text[], %(exchange)s::text, %(routing_key)s::text,
+                              %(key)s::text, %(since)s::timestamptz, %(until)s::timestamptz,
+                              %(ids)s::uuid[])
+      AND d.id > %(after)s AND d.id <= %(upto)s
+      AND NOT EXISTS (SELECT 1 FROM {schema}.messages AS m WHERE m.message_id = d.message_id)
+    ORDER BY d.id
+    LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+)
+SELECT (SELECT max(id) FROM picked),
+       (SELECT count(*)
+        FROM {schema}.replay_dead(ARRAY(SELECT id FROM picked), %(to_exchange)s::text,
+                                   %(to_routing_key)s::text));
 
 -- name: dead_purge_batch
--- One batch of a purge, one transaction.
-DELETE FROM {schema}.dead
-WHERE id IN (SELECT d.id
-             FROM {schema}.dead AS d
-             WHERE d.id IN (SELECT s.id
-                            FROM {schema}.dead_select(%(reasons)s::text[], %(exchange)s::text,
-                                                      %(routing_key)s::text, %(key)s::text,
-                                                      %(since)s::timestamptz,
-                                                      %(until)s::timestamptz,
-                                                      %(ids)s::uuid[]) AS s)
-               AND d.id <= %(upto)s
-             ORDER BY d.id
-             LIMIT %(batch)s
-             FOR UPDATE SKIP LOCKED)
-RETURNING message_id;
+-- One batch of a purge, one transaction; the same shape as a replay's.
+WITH gone AS (
+    DELETE FROM {schema}.dead
+    WHERE id IN (SELECT d.id
+                 FROM {schema}.dead AS d
+                 WHERE {schema}.dead_matches(d, %(reasons)s::text[], %(exchange)s::text, %(routing_key)s::text,
+                              %(key)s::text, %(since)s::timestamptz, %(until)s::timestamptz,
+                              %(ids)s::uuid[])
+                   AND d.id > %(after)s AND d.id <= %(upto)s
+                 ORDER BY d.id
+                 LIMIT %(batch)s
+                 FOR UPDATE SKIP LOCKED)
+    RETURNING id
+)
+SELECT max(id), count(*) FROM gone;
 
 -- name: archive_prune_batch
 -- Delete the archive's oldest rows, by id (ids grow with published_at), if older than the cutoff.

@@ -18,10 +18,13 @@ ALTER TABLE dead ADD COLUMN replays integer NOT NULL DEFAULT 0,
 -- up with each pruning pass instead of waiting for a fifth of the table to be dead.
 ALTER TABLE archive SET (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 10000);
 
--- The dead rows an operator's filter selects. NULL means "any". Patterns are LIKE patterns with
--- backslash escapes (the relay turns shell globs into them). Every dead-letter command uses this,
--- so list, count, replay and purge always agree on what a filter means.
-CREATE FUNCTION dead_select(
+-- Whether a dead row matches an operator's filter. NULL means "any". Patterns are LIKE patterns
+-- with backslash escapes (the relay turns shell globs into them). Every dead-letter command uses
+-- this, so list, count, replay and purge always agree on what a filter means. It reads no table,
+-- so PostgreSQL inlines it: a bound on failed_at still uses its index, and a batch ordered by id
+-- stops after the batch.
+CREATE FUNCTION dead_matches(
+    d             dead,
     p_reasons     text[]      DEFAULT NULL,
     p_exchange    text        DEFAULT NULL,
     p_routing_key text        DEFAULT NULL,
@@ -29,18 +32,16 @@ CREATE FUNCTION dead_select(
     p_since       timestamptz DEFAULT NULL,
     p_until       timestamptz DEFAULT NULL,
     p_ids         uuid[]      DEFAULT NULL
-) RETURNS SETOF dead
-LANGUAGE sql STABLE
-SET search_path FROM CURRENT
+) RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$
-    SELECT * FROM dead
-    WHERE (p_reasons IS NULL OR reason = ANY(p_reasons))
-      AND (p_exchange IS NULL OR exchange = p_exchange)
-      AND (p_routing_key IS NULL OR routing_key LIKE p_routing_key ESCAPE '\')
-      AND (p_key IS NULL OR ordering_key LIKE p_key ESCAPE '\')
-      AND (p_since IS NULL OR failed_at >= p_since)
-      AND (p_until IS NULL OR failed_at < p_until)
-      AND (p_ids IS NULL OR message_id = ANY(p_ids))
+    SELECT (p_reasons IS NULL OR d.reason = ANY(p_reasons))
+       AND (p_exchange IS NULL OR d.exchange = p_exchange)
+       AND (p_routing_key IS NULL OR d.routing_key LIKE p_routing_key ESCAPE '\')
+       AND (p_key IS NULL OR coalesce(d.ordering_key LIKE p_key ESCAPE '\', false))
+       AND (p_since IS NULL OR d.failed_at >= p_since)
+       AND (p_until IS NULL OR d.failed_at < p_until)
+       AND (p_ids IS NULL OR d.message_id = ANY(p_ids))
 $$;
 
 -- Move dead rows back to messages, each leaving dead in the same transaction it enters messages:
