@@ -184,7 +184,13 @@ def dead_stats(as_json: bool, **flags: Any) -> None:
 @click.option("--to-exchange", default=None, help="Send them to this exchange instead.")
 @click.option("--to-routing-key", default=None, help="Send them with this routing key instead.")
 @click.option("--dry-run", is_flag=True, help="Print what would move, and move nothing.")
-@click.option("--batch", type=click.IntRange(1, 100_000), default=500, show_default=True)
+@click.option(
+    "--batch",
+    type=click.IntRange(1, 100_000),
+    default=500,
+    show_default=True,
+    help="Rows per transaction.",
+)
 @settings_options(*DATABASE)
 @fail_cleanly
 def dead_replay(
@@ -228,7 +234,13 @@ def dead_replay(
 @click.option("--all", "everything", is_flag=True, help="Needed to purge every dead letter.")
 @click.option("--dry-run", is_flag=True, help="Print what would go, and delete nothing.")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-@click.option("--batch", type=click.IntRange(1, 100_000), default=1000, show_default=True)
+@click.option(
+    "--batch",
+    type=click.IntRange(1, 100_000),
+    default=1000,
+    show_default=True,
+    help="Rows per transaction.",
+)
 @settings_options(*DATABASE)
 @fail_cleanly
 def dead_purge(
@@ -285,7 +297,13 @@ def archive_stats(exact: bool, as_json: bool, **flags: Any) -> None:
     metavar="DURATION",
     help="Delete rows published longer ago than this (e.g. 7d, 12h).",
 )
-@click.option("--batch", type=click.IntRange(1, 100_000), default=1000, show_default=True)
+@click.option(
+    "--batch",
+    type=click.IntRange(1, 100_000),
+    default=1000,
+    show_default=True,
+    help="Rows per transaction.",
+)
 @click.option("--dry-run", is_flag=True, help="Print how many rows would go, and delete nothing.")
 @settings_options(*DATABASE)
 @fail_cleanly
