@@ -16,7 +16,7 @@ import psycopg
 import psycopg.errors
 from psycopg.rows import class_row
 
-from relay import config, errors, sql
+from relay import errors, pg, sql
 from relay.filters import DeadFilter
 from relay.pg import translate_errors
 
@@ -111,10 +111,7 @@ class Admin:
     @classmethod
     @contextmanager
     def connect(cls, conninfo: str, schema: str = "outbox") -> Iterator[Admin]:
-        config.check_identifier(schema)
-        with translate_errors(schema):
-            conn = psycopg.connect(conninfo, autocommit=True, application_name="outbox-relay admin")
-        with conn:
+        with pg.session(conninfo, schema, "admin") as conn:
             yield cls(conn, schema)
 
     def _rows(self, query: Any, params: dict[str, Any] | None = None) -> list[Any]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from relay import __version__, admin, app, cli_dead, config, demo, errors, logs
+from relay import __version__, admin, app, cli_dead, cli_pipeline, config, demo, errors, logs
 from relay import migrate as migrations
 from relay import top as live
 from relay.cli_base import (
@@ -283,3 +283,4 @@ def _echo_policy(policy: admin.KeyPolicy) -> None:
 
 main.add_command(cli_dead.dead)
 main.add_command(cli_dead.archive)
+main.add_command(cli_pipeline.pipeline)

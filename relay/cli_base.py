@@ -49,7 +49,10 @@ def settings_options(*fields: str) -> Callable[[F], F]:
 
     def decorate(command: F) -> F:
         for field in reversed(fields):
-            info = config.Settings.model_fields[field]
+            info = (
+                config.Settings.model_fields.get(field)
+                or config.PipelineSettings.model_fields[field]
+            )
             command = click.option(
                 flag(field),
                 field,

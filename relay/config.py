@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 import socket
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 from urllib.parse import urlsplit
 
 import pydantic
@@ -65,8 +65,8 @@ def _default_relay_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-class Settings(BaseSettings):
-    """Every knob of the relay. Field descriptions are the README's settings table."""
+class _Database(BaseSettings):
+    """The settings every command that talks to the outbox database shares."""
 
     model_config = SettingsConfigDict(
         env_prefix="OUTBOX_", frozen=True, populate_by_name=True, extra="forbid"
@@ -76,14 +76,32 @@ class Settings(BaseSettings):
         SecretStr("postgresql://postgres@127.0.0.1:5432/postgres"),
         description="PostgreSQL connection URL (libpq syntax; `sslmode` etc. as query parameters).",
     )
-    amqp_url: SecretStr = Field(
-        SecretStr("amqp://guest:guest@127.0.0.1:5672/"),
-        description="RabbitMQ connection URL (`amqp://` or `amqps://`).",
-    )
     db_schema: str = Field(
         "outbox",
         validation_alias="OUTBOX_SCHEMA",
         description="PostgreSQL schema holding the outbox tables and functions.",
+    )
+
+    @field_validator("db_schema")
+    @classmethod
+    def _schema_is_identifier(cls, value: str) -> str:
+        try:
+            return check_identifier(value)
+        except errors.ConfigError as exc:
+            raise ValueError(str(exc)) from None
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_url_scheme(cls, value: SecretStr) -> SecretStr:
+        return _check_scheme(value, ("postgresql", "postgres"))
+
+
+class Settings(_Database):
+    """Every knob of the relay. Field descriptions are the README's settings table."""
+
+    amqp_url: SecretStr = Field(
+        SecretStr("amqp://guest:guest@127.0.0.1:5672/"),
+        description="RabbitMQ connection URL (`amqp://` or `amqps://`).",
     )
     batch_size: int = Field(500, ge=1, le=10_000, description="Rows claimed per batch.")
     poll_interval: Duration = Field(
@@ -166,19 +184,6 @@ class Settings(BaseSettings):
         3600.0, gt=0, description="How often the relay prunes the archive (seconds)."
     )
 
-    @field_validator("db_schema")
-    @classmethod
-    def _schema_is_identifier(cls, value: str) -> str:
-        try:
-            return check_identifier(value)
-        except errors.ConfigError as exc:
-            raise ValueError(str(exc)) from None
-
-    @field_validator("database_url")
-    @classmethod
-    def _database_url_scheme(cls, value: SecretStr) -> SecretStr:
-        return _check_scheme(value, ("postgresql", "postgres"))
-
     @field_validator("amqp_url")
     @classmethod
     def _amqp_url_scheme(cls, value: SecretStr) -> SecretStr:
@@ -200,6 +205,44 @@ class Settings(BaseSettings):
         return level
 
 
+class PipelineSettings(_Database):
+    """The data pipeline's knobs (`outbox-relay pipeline …`): where the lake is, how Spark runs."""
+
+    lake: str = Field(
+        "outbox-lake",
+        min_length=1,
+        description="Where the pipeline writes Parquet: a folder, or any Hadoop URL (`hdfs://`, "
+        "`s3a://`, …) the Spark installation can write to.",
+    )
+    spark_master: str = Field(
+        "local[*]",
+        min_length=1,
+        description="Spark master: `local[*]` (this machine), `spark://host:7077`, `yarn`, "
+        "`k8s://…`. Under `spark-submit`, its `--master` wins.",
+    )
+    jdbc_jar: str = Field(
+        "/usr/share/java/postgresql.jar",
+        min_length=1,
+        description="The PostgreSQL JDBC driver jar (Debian's `libpostgresql-jdbc-java`).",
+    )
+    export_partitions: int = Field(
+        4, ge=1, le=1024, description="Parallel JDBC reads (connections) per exported id range."
+    )
+    export_chunk: int = Field(
+        1_000_000,
+        ge=1000,
+        description="Ids per export range: the unit of resuming, re-writing and pruning.",
+    )
+    fetch_size: int = Field(
+        10_000, ge=1, le=1_000_000, description="Rows per JDBC fetch round trip."
+    )
+    report_dir: str = Field(
+        "outbox-report",
+        min_length=1,
+        description="Local folder for the human report (`report.md` and its PNG charts).",
+    )
+
+
 def _check_scheme(value: SecretStr, schemes: tuple[str, ...]) -> SecretStr:
     raw = value.get_secret_value()
     try:
@@ -214,20 +257,34 @@ def _check_scheme(value: SecretStr, schemes: tuple[str, ...]) -> SecretStr:
 
 def env_name(field: str) -> str:
     """The environment variable that sets `field`."""
-    alias = Settings.model_fields[field].validation_alias
+    info = Settings.model_fields.get(field) or PipelineSettings.model_fields[field]
+    alias = info.validation_alias
     return alias if isinstance(alias, str) else f"OUTBOX_{field.upper()}"
 
 
 def _setting(loc: tuple[int | str, ...]) -> str:
     """Name the setting an error is about by its environment variable, whichever way it came in."""
     name = str(loc[0]) if loc else "settings"
-    return env_name(name) if name in Settings.model_fields else name
+    known = Settings.model_fields.keys() | PipelineSettings.model_fields.keys()
+    return env_name(name) if name in known else name
 
 
 def load(**overrides: Any) -> Settings:
     """Settings from the environment, overridden by flags; ConfigError if invalid."""
+    return _load(Settings, overrides)
+
+
+def load_pipeline(**overrides: Any) -> PipelineSettings:
+    """The pipeline's settings from the environment, overridden by flags; ConfigError if invalid."""
+    return _load(PipelineSettings, overrides)
+
+
+_S = TypeVar("_S", bound=_Database)
+
+
+def _load(kind: type[_S], overrides: dict[str, Any]) -> _S:
     try:
-        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+        return kind(**{k: v for k, v in overrides.items() if v is not None})
     except pydantic.ValidationError as exc:
         problems = "; ".join(
             f"{_setting(e['loc'])}: {e['msg'].removeprefix('Value error, ')}"

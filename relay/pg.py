@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import psycopg.errors
 import psycopg_pool
 
-from relay import errors
+from relay import config, errors
 
 #: Every session the relay opens carries this name, so operators can find (and kill) them.
 APPLICATION_NAME = "outbox-relay"
@@ -35,6 +36,19 @@ def translate_errors(schema: str) -> Iterator[None]:
         ) from exc
     except (psycopg.OperationalError, psycopg_pool.PoolTimeout) as exc:
         raise errors.DatabaseUnavailable(f"PostgreSQL unavailable: {first_line(exc)}") from exc
+
+
+@contextlib.contextmanager
+def session(conninfo: str, schema: str, purpose: str) -> Iterator[psycopg.Connection[Any]]:
+    """An autocommit connection for one operator session, named `outbox-relay <purpose>` in
+    pg_stat_activity; ConfigError for a bad schema name, DatabaseUnavailable if unreachable."""
+    config.check_identifier(schema)
+    with translate_errors(schema):
+        conn = psycopg.connect(
+            conninfo, autocommit=True, application_name=f"{APPLICATION_NAME} {purpose}"
+        )
+    with conn:
+        yield conn
 
 
 def first_line(exc: BaseException) -> str:

@@ -38,3 +38,8 @@ def printable(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
+def count(n: int, noun: str) -> str:
+    """`1 row`, `1,000 rows`."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")

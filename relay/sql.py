@@ -60,6 +60,13 @@ class Queries:
     archive_count_older: LiteralString
     prune_lock: LiteralString
     prune_unlock: LiteralString
+    pipeline_lock: LiteralString
+    pipeline_unlock: LiteralString
+    export_horizon_archive: LiteralString
+    export_horizon_dead: LiteralString
+    snapshot_settled: LiteralString
+    pipeline_prune_batch: LiteralString
+    pipeline_prune_rows: LiteralString
 
 
 def parse(text: str) -> dict[str, str]:

@@ -131,8 +131,11 @@ def by_kind() -> dict[str, dict[str, Any]]:
     return {doc["kind"]: doc for doc in yaml_docs(MANIFESTS)}
 
 
+PIPELINE = DEPLOY / "kubernetes" / "pipeline-cronjob.yaml"
+
+
 def test_manifests_match_the_kubernetes_schemas() -> None:
-    for doc in yaml_docs(MANIFESTS):
+    for doc in [*yaml_docs(MANIFESTS), *yaml_docs(PIPELINE)]:
         kubernetes_validate.validate(doc, "1.30.0", strict=True)
     (monitor,) = yaml_docs(DEPLOY / "kubernetes" / "servicemonitor.yaml")  # a CRD: no schema
     assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
@@ -158,6 +161,18 @@ def test_deployment_is_wired_for_probes_scraping_and_graceful_stops() -> None:
     assert pod["spec"]["terminationGracePeriodSeconds"] > grace
     assert docs["Job"]["spec"]["template"]["spec"]["containers"][0]["args"] == ["migrate"]
     assert docs["PodDisruptionBudget"]["spec"]["minAvailable"] >= 1
+
+
+def test_the_pipeline_cronjob_runs_the_pipeline_with_known_settings() -> None:
+    cron = next(d for d in yaml_docs(PIPELINE) if d["kind"] == "CronJob")
+    assert cron["spec"]["concurrencyPolicy"] == "Forbid"
+    (container,) = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"]
+    assert container["args"][0] == "all"
+    known = {config.env_name(f) for f in config.PipelineSettings.model_fields}
+    assert {e["name"] for e in container["env"]} <= known
+    dockerfile = (DEPLOY / "docker" / "Dockerfile.pipeline").read_text(encoding="utf-8")
+    assert "libpostgresql-jdbc-java" in dockerfile
+    assert '[spark]"' in dockerfile
 
 
 # docker-compose and systemd ---------------------------------------------------------------------

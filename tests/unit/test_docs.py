@@ -20,7 +20,8 @@ def documented() -> dict[str, tuple[str, str]]:
 
 def test_every_setting_is_documented_with_its_flag_and_default() -> None:
     expected = {}
-    for name, field in config.Settings.model_fields.items():
+    fields = config.Settings.model_fields | config.PipelineSettings.model_fields
+    for name, field in fields.items():
         default = field.default
         if isinstance(default, SecretStr):
             default = default.get_secret_value()

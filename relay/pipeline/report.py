@@ -1,0 +1,121 @@
+"""Report: delivery figures from the lake — latency percentiles and attempts per route, dead
+letters per reason, volume per day — written back to the lake as Parquet."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import date
+from typing import Any
+
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F  # Spark's own convention
+
+from relay.pipeline.lake import read, report_path, table_path
+
+
+def latency() -> Column:
+    """Enqueue (created_at, the database's clock) to confirm (published_at: archived right after
+    the broker's confirm, the same clock), in seconds."""
+    return (F.unix_micros("published_at") - F.unix_micros("created_at")) / 1e6
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """The report's tables, as rows of plain values (also written to `<lake>/report/<name>`)."""
+
+    by_route: list[dict[str, Any]]
+    attempts: list[dict[str, Any]]
+    dead_by_reason: list[dict[str, Any]]
+    daily: list[dict[str, Any]]
+    first_day: str | None
+    last_day: str | None
+
+
+def build(spark: SparkSession, lake: str, since: date | None = None) -> Report:
+    """Compute the report over the lake (from `since` on), write its tables, return them."""
+    archive = _days(read(spark, table_path(lake, "archive")), since)
+    dead = _days(read(spark, table_path(lake, "dead")), since)
+    tables = {
+        "by_route": _by_route(archive),
+        "attempts": _attempts(archive),
+        "dead_by_reason": _dead_by_reason(dead),
+        "daily": _daily(archive, dead),
+    }
+    found: dict[str, list[dict[str, Any]]] = {}
+    for name, frame in tables.items():
+        if frame is None:
+            found[name] = []
+            continue
+        frame = frame.cache()
+        frame.write.mode("overwrite").parquet(report_path(lake, name))
+        found[name] = [row.asDict() for row in frame.collect()]
+        frame.unpersist()
+    days = [str(row["day"]) for row in found["daily"]]  # a date: Spark reads the partition so
+    return Report(**found, first_day=min(days, default=None), last_day=max(days, default=None))
+
+
+def _days(data: DataFrame | None, since: date | None) -> DataFrame | None:
+    if data is None or since is None:
+        return data
+    return data.where(F.col("day") >= since.isoformat())  # a partition filter: older days unread
+
+
+def _by_route(archive: DataFrame | None) -> DataFrame | None:
+    if archive is None:
+        return None
+    return (
+        archive.withColumn("latency", latency())
+        .groupBy("exchange", "routing_key")
+        .agg(
+            F.count("*").alias("messages"),
+            F.expr("percentile(latency, array(0.5, 0.95, 0.99))").alias("p"),
+            F.max("latency").alias("max_seconds"),
+        )
+        .select(
+            "exchange",
+            "routing_key",
+            "messages",
+            F.col("p")[0].alias("p50_seconds"),
+            F.col("p")[1].alias("p95_seconds"),
+            F.col("p")[2].alias("p99_seconds"),
+            "max_seconds",
+        )
+        .orderBy(F.desc("messages"), "exchange", "routing_key")
+    )
+
+
+def _attempts(archive: DataFrame | None) -> DataFrame | None:
+    if archive is None:
+        return None
+    return (
+        archive.groupBy("exchange", "routing_key", "attempts")
+        .agg(F.count("*").alias("messages"))
+        .orderBy("exchange", "routing_key", "attempts")
+    )
+
+
+def _dead_by_reason(dead: DataFrame | None) -> DataFrame | None:
+    if dead is None:
+        return None
+    return (
+        dead.groupBy("reason")
+        .agg(F.count("*").alias("messages"), F.countDistinct("exchange").alias("exchanges"))
+        .orderBy(F.desc("messages"), "reason")
+    )
+
+
+def _daily(archive: DataFrame | None, dead: DataFrame | None) -> DataFrame | None:
+    parts = [
+        frame.groupBy("day").agg(F.count("*").alias(name))
+        for frame, name in ((archive, "published"), (dead, "dead"))
+        if frame is not None
+    ]
+    if not parts:
+        return None
+    daily = parts[0]
+    for part in parts[1:]:
+        daily = daily.join(part, "day", "full_outer")
+    for name in ("published", "dead"):
+        value = F.coalesce(F.col(name), F.lit(0)) if name in daily.columns else F.lit(0)
+        daily = daily.withColumn(name, value)
+    return daily.select("day", "published", "dead").orderBy("day")

@@ -1,0 +1,85 @@
+"""The pipeline's SparkSession: local by default, the submitter's under spark-submit, quiet, UTC."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from pyspark.sql import SparkSession
+
+from relay import config, errors
+
+LOG_CONFIG = Path(__file__).with_name("log4j2.properties")
+
+#: Every session: UTC everywhere, Parquet timestamps as real timestamps (not INT96), no console
+#: progress bars (the pipeline prints a line per phase).
+_ALWAYS = {
+    "spark.sql.session.timeZone": "UTC",
+    "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
+    "spark.ui.showConsoleProgress": "false",
+}
+
+
+def submitted() -> bool:
+    """True when spark-submit started this Python driver (its JVM is already running)."""
+    return "PYSPARK_GATEWAY_PORT" in os.environ
+
+
+def check(settings: config.PipelineSettings) -> None:
+    """Clear errors for what Spark would otherwise report as a Java stack trace."""
+    if submitted():
+        return  # spark-submit found Java, and its --jars carry the driver
+    java = Path(os.environ["JAVA_HOME"], "bin", "java") if os.environ.get("JAVA_HOME") else None
+    if not (java and java.exists()) and shutil.which("java") is None:
+        raise errors.ConfigError(
+            "the pipeline needs Java 17 or newer: install it (Debian: apt-get install "
+            "default-jre-headless) or set JAVA_HOME"
+        )
+    if not Path(settings.jdbc_jar).is_file():
+        raise errors.ConfigError(
+            f"no PostgreSQL JDBC driver at {settings.jdbc_jar}: install it (Debian: apt-get "
+            "install libpostgresql-jdbc-java) or set OUTBOX_JDBC_JAR"
+        )
+
+
+@contextmanager
+def spark_session(
+    settings: config.PipelineSettings, conf: Mapping[str, str] | None = None
+) -> Iterator[SparkSession]:
+    """A session for one pipeline run, stopped on exit. Locally it runs on `spark_master` with
+    the JDBC driver on its classpath and Spark's logging cut to errors; under spark-submit the
+    submitter's master, jars and logging stand. `conf` adds Spark settings (`--conf`)."""
+    check(settings)
+    builder = SparkSession.builder.appName("outbox-relay pipeline")
+    if not submitted():
+        if settings.spark_master.startswith("local"):
+            os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # no hostname warnings
+        builder = (
+            builder.master(settings.spark_master)
+            .config("spark.jars", settings.jdbc_jar)
+            .config("spark.ui.enabled", "false")
+            .config(
+                "spark.driver.extraJavaOptions",
+                f"-Dlog4j2.configurationFile={LOG_CONFIG.as_uri()} -Duser.timezone=UTC",
+            )
+        )
+    for key, value in {**_ALWAYS, **(conf or {})}.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    try:
+        yield spark
+    finally:
+        spark.stop()
+
+
+def lake_path(settings: config.PipelineSettings) -> str:
+    """The lake as Spark should see it: URLs as given; a plain path, when Spark runs on this
+    machine, made absolute (elsewhere it is a path on the cluster's default filesystem)."""
+    lake = settings.lake.rstrip("/") or "/"
+    if urlsplit(lake).scheme or not settings.spark_master.startswith("local") or submitted():
+        return lake
+    return Path(lake).resolve().as_uri()

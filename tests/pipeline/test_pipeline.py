@@ -1,0 +1,273 @@
+"""The Spark pipeline against real PostgreSQL and a local Spark: export is idempotent and
+resumable, the report agrees with SQL, and prune deletes exactly what the lake holds."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pyarrow.parquet as pq
+import pytest
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+
+from relay import errors
+from relay.pipeline import charts, report
+from relay.pipeline.database import PipelineDatabase
+from relay.pipeline.export import Source, export
+from relay.pipeline.lake import Manifest, Range, Table, read, table_path
+from relay.pipeline.prune import prune
+from tests.pipeline.conftest import LAST_MICROSECOND, fill
+from tests.support.processes import clean_env
+from tests.support.wait import until
+
+
+def rows(url: str, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+    with psycopg.connect(url) as conn:
+        return conn.execute(sql, args).fetchall()
+
+
+def ids_in(url: str, table: str) -> list[int]:
+    return [r[0] for r in rows(url, f"SELECT id FROM outbox.{table} ORDER BY id")]
+
+
+def lake_ids(spark: SparkSession, lake: str, table: Table) -> list[int]:
+    data = read(spark, table_path(lake, table))
+    return [] if data is None else sorted(r.id for r in data.select("id").collect())
+
+
+@pytest.fixture
+def db(database_url: str) -> Iterator[PipelineDatabase]:
+    with PipelineDatabase.connect(database_url, "outbox") as session:
+        yield session
+
+
+def source(url: str) -> Source:
+    return Source(url, "outbox", partitions=3, fetch_size=500)
+
+
+def quiet(_: str) -> None:
+    pass
+
+
+def test_export_twice_neither_duplicates_nor_loses_a_row(
+    spark: SparkSession, database_url: str, db: PipelineDatabase, lake: str
+) -> None:
+    cutoff = fill(database_url)
+    old = [
+        r[0]
+        for r in rows(
+            database_url,
+            "SELECT id FROM outbox.archive WHERE published_at < %s ORDER BY id",
+            cutoff,
+        )
+    ]
+    dead = ids_in(database_url, "dead")
+    assert export(spark, lake, source(database_url), db, cutoff, chunk=1000, say=quiet) == len(
+        old
+    ) + len(dead)
+    assert lake_ids(spark, lake, "archive") == old
+    assert lake_ids(spark, lake, "dead") == dead
+    # Again: nothing new is older than the cutoff, so nothing is written.
+    assert export(spark, lake, source(database_url), db, cutoff, chunk=1000, say=quiet) == 0
+    assert lake_ids(spark, lake, "archive") == old
+    # A run killed after writing a range but before marking it done: the range is written
+    # again, replacing its files, not adding to them.
+    (marker,) = Path(lake.removeprefix("file://"), "_exports").glob("archive.1000-2000.done")
+    marker.unlink()
+    assert export(spark, lake, source(database_url), db, cutoff, chunk=1000, say=quiet) == 1000
+    assert lake_ids(spark, lake, "archive") == old
+    # Rows that age past a later cutoff go in new ranges.
+    later = datetime.now().astimezone()
+    everything = ids_in(database_url, "archive")
+    export(spark, lake, source(database_url), db, later, chunk=1000, say=quiet)
+    assert lake_ids(spark, lake, "archive") == everything
+
+
+def test_timestamps_are_real_utc_timestamps_and_days_are_utc(
+    spark: SparkSession, database_url: str, db: PipelineDatabase, lake: str
+) -> None:
+    cutoff = fill(database_url, old=100, young=0, dead=0)
+    export(spark, lake, source(database_url), db, cutoff, chunk=1000, say=quiet)
+    folder = Path(lake.removeprefix("file://"), "archive", "day=2026-11-10")
+    (file,) = folder.glob("id_range=*/*.parquet")
+    schema = pq.read_schema(file)
+    for column in ("created_at", "published_at"):
+        assert str(schema.field(column).type) == "timestamp[us, tz=UTC]"  # not INT96
+    (row,) = pq.read_table(file, columns=["published_at"]).to_pylist()
+    assert row["published_at"] == LAST_MICROSECOND
+
+
+def test_report_figures_equal_sql(
+    spark: SparkSession, database_url: str, db: PipelineDatabase, lake: str, tmp_path: Path
+) -> None:
+    cutoff = fill(database_url)
+    export(
+        spark, lake, source(database_url), db, datetime.now().astimezone(), chunk=5000, say=quiet
+    )
+    built = report.build(spark, lake)
+    expected_routes = rows(
+        database_url,
+        "SELECT exchange, routing_key, count(*),"
+        " percentile_cont(ARRAY[0.5, 0.95, 0.99]) WITHIN GROUP"
+        "   (ORDER BY extract(epoch FROM published_at - created_at)),"
+        " max(extract(epoch FROM published_at - created_at))"
+        " FROM outbox.archive GROUP BY 1, 2",
+    )
+    routes = sorted(built.by_route, key=lambda r: (r["exchange"], r["routing_key"]))
+    assert len(routes) == len(expected_routes) > 3
+    for got, (exchange, routing_key, n, (p50, p95, p99), top) in zip(
+        routes, sorted(expected_routes), strict=True
+    ):
+        assert (got["exchange"], got["routing_key"], got["messages"]) == (exchange, routing_key, n)
+        for key, value in (("p50_seconds", p50), ("p95_seconds", p95), ("p99_seconds", p99)):
+            assert math.isclose(got[key], float(value), abs_tol=1e-6), (key, got, value)
+        assert math.isclose(got["max_seconds"], float(top), abs_tol=1e-6)
+    attempts = rows(
+        database_url,
+        "SELECT exchange, routing_key, attempts, count(*) FROM outbox.archive"
+        ' GROUP BY 1, 2, 3 ORDER BY exchange COLLATE "C", routing_key COLLATE "C", 3',
+    )
+    assert [tuple(r.values()) for r in built.attempts] == attempts
+    dead = rows(
+        database_url,
+        "SELECT reason, count(*), count(DISTINCT exchange) FROM outbox.dead"
+        ' GROUP BY 1 ORDER BY 2 DESC, reason COLLATE "C"',
+    )
+    assert [tuple(r.values()) for r in built.dead_by_reason] == dead
+    daily = rows(
+        database_url,
+        "SELECT to_char(d, 'YYYY-MM-DD'), count(*) FILTER (WHERE t = 'a'),"
+        " count(*) FILTER (WHERE t = 'd') FROM ("
+        "   SELECT published_at AT TIME ZONE 'UTC' AS d, 'a' AS t FROM outbox.archive"
+        "   UNION ALL SELECT failed_at AT TIME ZONE 'UTC', 'd' FROM outbox.dead) AS x"
+        " GROUP BY 1 ORDER BY 1",
+    )
+    assert [(str(r["day"]), r["published"], r["dead"]) for r in built.daily] == daily
+    # The same tables are in the lake, and the human report is written with its charts.
+    in_lake = spark.read.parquet(f"{lake}/report/daily").agg(F.sum("published")).first()
+    assert in_lake is not None
+    assert in_lake[0] == sum(d[1] for d in daily)
+    page = charts.write(built, tmp_path / "report", lake)
+    text = page.read_text()
+    assert f"**{sum(d[1] for d in daily):,} messages published, 150 dead-lettered.**" in text
+    for png in ("latency.png", "daily.png"):
+        assert (tmp_path / "report" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert cutoff  # the data straddled the cutoff; the report covers what was exported
+
+
+def test_prune_deletes_exactly_the_exported_rows(
+    spark: SparkSession, database_url: str, db: PipelineDatabase, lake: str
+) -> None:
+    cutoff = fill(database_url)
+    # A gap the export will see, filled after it by a row that arrives late.
+    rows(database_url, "DELETE FROM outbox.archive WHERE id = 1500 RETURNING id")
+    export(spark, lake, source(database_url), db, cutoff, chunk=1000, say=quiet)
+    exported = set(lake_ids(spark, lake, "archive"))
+    with psycopg.connect(database_url) as conn:
+        conn.execute(
+            "INSERT INTO outbox.archive (id, message_id, exchange, routing_key, body, headers,"
+            " properties, attempts, created_at, published_at) OVERRIDING SYSTEM VALUE"
+            " VALUES (1500, gen_random_uuid(), 'x', 'late', '', '{}', '{}', 1, now(), now())"
+        )
+    before = set(ids_in(database_url, "archive"))
+    result = prune(spark, lake, db, pause=0, say=quiet)
+    after = set(ids_in(database_url, "archive"))
+    assert before - after == exported  # every exported row, and nothing else
+    assert 1500 in after
+    assert (result.deleted, result.kept) == (len(exported), 1)
+    assert rows(database_url, "SELECT count(*) FROM outbox.dead") == [(150,)]  # dead stays
+    # The range with the late row stays unpruned and keeps it; the others are done.
+    again = prune(spark, lake, db, pause=0, say=quiet)
+    assert (again.deleted, again.kept) == (0, 1)
+
+
+def test_a_killed_export_leaves_nothing_pruned(
+    spark: SparkSession, database_url: str, lake: str, tmp_path: Path
+) -> None:
+    cutoff = fill(database_url, old=2500)
+    env = clean_env(
+        OUTBOX_DATABASE_URL=database_url,
+        OUTBOX_LAKE=lake,
+        OUTBOX_SPARK_MASTER="local[2]",
+        OUTBOX_EXPORT_CHUNK="1000",
+    )
+    before = set(ids_in(database_url, "archive"))
+    markers = Path(lake.removeprefix("file://"), "_exports")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relay", "pipeline", "export", "--until", cutoff.isoformat()],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its JVM too
+    )
+    try:
+        second = markers / "archive.1000-2000.started"
+        until(second.exists, timeout=60, message="the second range to start")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    names = {p.name for p in markers.iterdir() if p.name.startswith("archive.")}
+    started = {n.removesuffix(".started") for n in names if n.endswith(".started")}
+    done = {n.removesuffix(".done") for n in names if n.endswith(".done")}
+    assert started - done, f"killed after every range was done: {sorted(names)}"
+    with PipelineDatabase.connect(database_url, "outbox") as db:
+        result = prune(spark, lake, db, pause=0, say=quiet)
+    after = set(ids_in(database_url, "archive"))
+    gone = before - after
+    unfinished = [tuple(map(int, n.split(".")[1].split("-"))) for n in started - done]
+    assert not any(lo < i <= hi for i in gone for lo, hi in unfinished)
+    ranges = [tuple(map(int, n.split(".")[1].split("-"))) for n in done]
+    assert result.deleted == len(gone) == sum(hi - lo for lo, hi in ranges)
+    # Run the whole pipeline again, as an operator would: the unfinished range is written (once),
+    # the report is made, and then everything exported can go.
+    again = subprocess.run(
+        [sys.executable, "-m", "relay", "pipeline", "all", "--until", cutoff.isoformat()],
+        env=env | {"OUTBOX_REPORT_DIR": str(tmp_path / "report")},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert again.returncode == 0, again.stderr
+    lines = again.stderr.splitlines()
+    assert any(line.startswith("export archive ids ") for line in lines), again.stderr
+    assert any(line.startswith("report: ") for line in lines), again.stderr
+    assert any(line.startswith("prune: ") for line in lines), again.stderr
+    assert not [line for line in lines if " WARN " in line or line.startswith(("\tat ", "spark:"))]
+    assert (tmp_path / "report" / "report.md").exists()
+    exported = lake_ids(spark, lake, "archive")
+    assert len(exported) == len(set(exported))
+    old = {i for i in before if i <= max(exported)}
+    assert set(exported) == old
+    assert set(ids_in(database_url, "archive")) == before - old
+
+
+def test_one_pipeline_run_at_a_time(database_url: str) -> None:
+    with (
+        PipelineDatabase.connect(database_url, "outbox"),
+        pytest.raises(errors.RelayError, match="another pipeline run"),
+        PipelineDatabase.connect(database_url, "outbox"),
+    ):
+        pass
+
+
+def test_the_manifest_lists_what_each_range_reached(spark: SparkSession, lake: str) -> None:
+    manifest = Manifest(spark, lake)
+    assert manifest.states() == {}
+    r = Range("archive", 0, 1000)
+    manifest.mark(r, "started")
+    manifest.mark(r, "done", rows=990)
+    states = manifest.states()
+    assert set(states[r]) == {"started", "done"}
+    assert states[r]["done"]["rows"] == 990
