@@ -9,6 +9,8 @@ from datetime import date, datetime
 from pathlib import Path
 from typing import Literal
 
+from pyspark.sql import SparkSession
+
 from relay import config, render
 from relay.pipeline import charts, report, session
 from relay.pipeline.database import PipelineDatabase
@@ -27,10 +29,13 @@ def run(
     since: date | None = None,
     conf: Mapping[str, str] | None = None,
     say: Say = print,
+    spark: SparkSession | None = None,
 ) -> None:
-    """Run `phases` in order (export before prune, so a prune never outruns its export)."""
+    """Run `phases` in order (export before prune, so a prune never outruns its export), in a
+    session of their own or in `spark`, a running one (then `conf` and the master are its own)."""
     started = time.monotonic()
-    with session.spark_session(settings, conf) as spark:
+    running = session.spark_session(settings, conf) if spark is None else session.borrowed(spark)
+    with running as spark:
         lake = session.lake_path(settings)
         say(f"spark {spark.version} on {spark.sparkContext.master}, lake {lake}")
         with _database(settings, phases) as db:

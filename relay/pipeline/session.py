@@ -15,13 +15,14 @@ from relay import config, errors
 
 LOG_CONFIG = Path(__file__).with_name("log4j2.properties")
 
-#: Every session: UTC everywhere, Parquet timestamps as real timestamps (not INT96), no console
-#: progress bars (the pipeline prints a line per phase).
-_ALWAYS = {
+#: Every run: UTC everywhere and Parquet timestamps as real timestamps (not INT96).
+_SQL = {
     "spark.sql.session.timeZone": "UTC",
     "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
-    "spark.ui.showConsoleProgress": "false",
 }
+#: Every session the pipeline starts: those, and no console progress bars (it prints a line per
+#: phase).
+_ALWAYS = {**_SQL, "spark.ui.showConsoleProgress": "false"}
 
 
 def submitted() -> bool:
@@ -74,6 +75,23 @@ def spark_session(
         yield spark
     finally:
         spark.stop()
+
+
+@contextmanager
+def borrowed(spark: SparkSession) -> Iterator[SparkSession]:
+    """A caller's running session (a notebook's, an application's) for one pipeline run: its SQL
+    settings are UTC and real timestamps for the run and restored after it; it is left running."""
+    before = {key: spark.conf.get(key, None) for key in _SQL}
+    for key, value in _SQL.items():
+        spark.conf.set(key, value)
+    try:
+        yield spark
+    finally:
+        for key, old in before.items():
+            if old is None:
+                spark.conf.unset(key)
+            else:
+                spark.conf.set(key, old)
 
 
 def lake_path(settings: config.PipelineSettings) -> str:
