@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import tenacity
 
-from relay import __version__, config, errors, loop, metrics, migrate, model, retry
+from relay import __version__, config, errors, eventloop, loop, metrics, migrate, model, retry
 from relay.admin import Admin
 from relay.listener import Listener
 from relay.probes import Probes
@@ -184,11 +184,12 @@ async def run(
                     chores.append(asyncio.create_task(pruner.run(), name="outbox-pruner"))
                 try:
                     log.info(
-                        "relay %s ready: schema=%s batch_size=%d lease=%gs",
+                        "relay %s ready: schema=%s batch_size=%d lease=%gs loop=%s",
                         settings.relay_name,
                         settings.db_schema,
                         settings.batch_size,
                         settings.lease,
+                        eventloop.name(),
                     )
                     if until_empty:
                         return await _drain(parts.relay)

@@ -12,7 +12,18 @@ from typing import Any
 
 import click
 
-from relay import __version__, admin, app, cli_dead, cli_pipeline, config, demo, errors, logs
+from relay import (
+    __version__,
+    admin,
+    app,
+    cli_dead,
+    cli_pipeline,
+    config,
+    demo,
+    errors,
+    eventloop,
+    logs,
+)
 from relay import migrate as migrations
 from relay import top as live
 from relay.cli_base import (
@@ -66,7 +77,7 @@ def run(until_empty: bool, **flags: Any) -> None:
     """Run one relay until SIGINT/SIGTERM, then finish the batch in flight and exit 0."""
     settings = config.load(**flags)
     logs.configure(settings.log_level, settings.log_format)
-    asyncio.run(app.run(settings, until_empty=until_empty))
+    eventloop.run(app.run(settings, until_empty=until_empty), settings.event_loop)
 
 
 @main.command()
@@ -159,7 +170,9 @@ def demo_command(count: int | None, interval: float, **flags: Any) -> None:
     """Migrate, then enqueue sample orders and print them as a consumer receives them."""
     settings = config.load(**flags)
     logs.configure(settings.log_level, settings.log_format)
-    ok = asyncio.run(demo.run(settings, count=count, interval=interval, echo=click.echo))
+    ok = eventloop.run(
+        demo.run(settings, count=count, interval=interval, echo=click.echo), settings.event_loop
+    )
     sys.exit(0 if ok else 1)
 
 

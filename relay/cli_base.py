@@ -30,6 +30,7 @@ RELAY_KNOBS = (
     "relay_name",
     "log_level",
     "log_format",
+    "event_loop",
     "metrics_host",
     "metrics_port",
     "stats_interval",

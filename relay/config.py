@@ -151,6 +151,11 @@ class Settings(_Database):
         "auto",
         description="`json`, `text`, or `auto`: JSON lines unless stderr is a terminal.",
     )
+    event_loop: str = Field(
+        "auto",
+        description="`uvloop`, `asyncio`, or `auto`: uvloop when it is installed (about twice the "
+        "publish rate), else asyncio's own loop.",
+    )
     metrics_host: str = Field(
         "0.0.0.0",  # noqa: S104  # scraped from other hosts by default; narrow it with this setting
         min_length=1,
@@ -194,6 +199,13 @@ class Settings(_Database):
     def _known_format(cls, value: str) -> str:
         if value.lower() not in {"auto", "json", "text"}:
             raise ValueError("use auto, json or text")
+        return value.lower()
+
+    @field_validator("event_loop")
+    @classmethod
+    def _known_loop(cls, value: str) -> str:
+        if value.lower() not in {"auto", "uvloop", "asyncio"}:
+            raise ValueError("use auto, uvloop or asyncio")
         return value.lower()
 
     @field_validator("log_level")

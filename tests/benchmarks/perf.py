@@ -1,0 +1,390 @@
+"""The project's benchmark: how close the relay comes to the machine's limit (not part of the
+test suite).
+
+    .venv/bin/python tests/benchmarks/perf.py [--messages 100000] [--deep 1000000] [--quick]
+
+In one run, on the local servers (OUTBOX_TEST_DATABASE_URL / OUTBOX_TEST_AMQP_URL), each
+scenario in a scratch database of its own, messages of 1 KiB, persistent and confirmed:
+
+1. limit: raw aio-pika publishing (mandatory, publisher confirms, uvloop) with no database, at
+   the best of a few in-flight windows — the ceiling;
+2. drain: `outbox-relay run --until-empty` on a backlog of `--messages`, 1 and 2 replicas;
+3. steady: producers committing one message per transaction at 500/s and 2,000/s while one relay
+   keeps up; a consumer measures commit-to-delivery latency (from just before COMMIT is sent);
+4. keyed: the drain with the messages spread over 100 ordering keys;
+5. backlog scale: the drain rate with 10,000 rows against `--deep` rows;
+6. horizon: the drain while another session holds a REPEATABLE READ snapshot open from before
+   the backlog is written until it is drained (vacuum can remove nothing).
+
+The limit and the drains publish to a queue that keeps only the newest 10,000 messages, as if a
+consumer kept up (a queue holding a million would slow the broker, not the relay); the drains
+check that every message was archived, which the relay does only on the broker's confirm.
+It prints a line per figure, each drain rate's ratio to the limit, and CPU seconds per 1,000
+messages of the relay, PostgreSQL and RabbitMQ (from /proc, when the servers run on this host).
+`--quick` divides every size by ten, to try the benchmark out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import psycopg
+import uvloop
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.benchmarks.drain import delete
+from tests.support import services
+from tests.support.processes import clean_env
+
+BODY = 1024
+#: The drains' queues keep the newest this many messages and drop older ones, as if a consumer
+#: kept up: a queue holding the whole backlog would make the broker, not the relay, slower as the
+#: backlog grows. Every message is still persisted and confirmed.
+KEEP = 10_000
+
+
+async def declare(amqp_url: str, exchange: str, queue: str, keep: int | None = KEEP) -> None:
+    async with await aio_pika.connect(amqp_url) as connection:
+        channel = await connection.channel()
+        x = await channel.declare_exchange(exchange, aio_pika.ExchangeType.TOPIC, durable=True)
+        bounded: dict[str, Any] | None = (
+            {"x-max-length": keep, "x-overflow": "drop-head"} if keep else None
+        )
+        q = await channel.declare_queue(queue, durable=True, arguments=bounded)
+        await q.bind(x, "#")
+
+
+@dataclass
+class Cpu:
+    """CPU seconds used by the relay processes, PostgreSQL and RabbitMQ over one scenario."""
+
+    relay: float = 0.0
+    postgres: float | None = None
+    rabbitmq: float | None = None
+
+    def per_thousand(self, messages: int, client: str = "relay") -> str:
+        def one(seconds: float | None) -> str:
+            return "n/a" if seconds is None else f"{seconds * 1000 / messages:.2f}s"
+
+        return (
+            f"CPU per 1,000: {client} {one(self.relay)}, postgres {one(self.postgres)}, "
+            f"rabbitmq {one(self.rabbitmq)}"
+        )
+
+
+def _ticks(pid: int, children: bool) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    used = int(fields[11]) + int(fields[12])  # utime, stime
+    if children:
+        used += int(fields[13]) + int(fields[14])  # reaped children: exited backends
+    return used / os.sysconf("SC_CLK_TCK")
+
+
+def _server_cpu(command: str) -> float | None:
+    """CPU seconds of every live process named `command`, and of the children they reaped."""
+    total, found = 0.0, False
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (entry / "comm").read_text().strip() != command:
+                continue
+            total += _ticks(int(entry.name), children=True)
+            found = True
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+    return total if found else None
+
+
+@contextmanager
+def measured_cpu() -> Iterator[Cpu]:
+    """CPU used while the block runs: by this process and its reaped children (the relays; this
+    process only waits for them, except when it publishes or produces itself), and by the
+    servers."""
+    cpu = Cpu()
+    before = (
+        _self_and_children(),
+        _server_cpu("postgres"),
+        _server_cpu("beam.smp"),
+    )
+    yield cpu
+    cpu.relay = _self_and_children() - before[0]
+    after_pg, after_mq = _server_cpu("postgres"), _server_cpu("beam.smp")
+    if before[1] is not None and after_pg is not None:
+        cpu.postgres = after_pg - before[1]
+    if before[2] is not None and after_mq is not None:
+        cpu.rabbitmq = after_mq - before[2]
+
+
+def _self_and_children() -> float:
+    used = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        used += usage.ru_utime + usage.ru_stime
+    return used
+
+
+# -- limit ----------------------------------------------------------------------------------------
+
+
+async def _publish_raw(amqp_url: str, exchange: str, messages: int, window: int) -> float:
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        target = await channel.get_exchange(exchange)
+        body = b"x" * BODY
+        slots = asyncio.Semaphore(window)
+
+        async def one(i: int) -> None:
+            async with slots:
+                message = aio_pika.Message(
+                    body,
+                    message_id=str(uuid.uuid4()),
+                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                )
+                await target.publish(message, routing_key=f"bench.{i}", mandatory=True)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(messages)))
+        return time.perf_counter() - started
+
+
+def limit(svc: services.Services, messages: int) -> float:
+    """The best publish rate of a few in-flight windows."""
+    best = 0.0
+    for window in (250, 1000, 2000):
+        exchange = queue = f"outbox-perf.{uuid.uuid4().hex[:8]}"
+        asyncio.run(declare(svc.amqp_url, exchange, queue))
+        with measured_cpu() as cpu:
+            seconds = uvloop.run(_publish_raw(svc.amqp_url, exchange, messages, window))
+        asyncio.run(delete(svc.amqp_url, exchange, queue))
+        rate = messages / seconds
+        print(
+            f"limit: window {window}: {rate:,.0f} msg/s; {cpu.per_thousand(messages, 'publisher')}"
+        )
+        best = max(best, rate)
+    return best
+
+
+# -- drains ---------------------------------------------------------------------------------------
+
+
+def fill(url: str, exchange: str, messages: int, keys: int = 0) -> None:
+    with psycopg.connect(url) as conn:
+        for lo in range(0, messages, 100_000):
+            conn.execute(
+                "SELECT outbox.enqueue(%s, 'bench.' || i, convert_to(repeat('x', %s), 'UTF8'),"
+                " ordering_key => CASE WHEN %s > 0 THEN 'key-' || i %% %s END)"
+                " FROM generate_series(%s::bigint, %s::bigint) AS i",
+                [exchange, BODY, keys, max(keys, 1), lo + 1, min(lo + 100_000, messages)],
+            )
+            conn.commit()
+
+
+def run_relays(url: str, amqp_url: str, replicas: int) -> float:
+    """Seconds from every relay being ready until the last reports an empty outbox."""
+    env = clean_env(OUTBOX_DATABASE_URL=url, OUTBOX_AMQP_URL=amqp_url, OUTBOX_LOG_FORMAT="text")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "relay", "run", "--until-empty"],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(replicas)
+    ]
+    for proc in procs:
+        _wait_line(proc, " ready: schema=")
+    started = time.perf_counter()
+    for proc in procs:
+        _wait_line(proc, "no due rows left")
+    elapsed = time.perf_counter() - started
+    if codes := [c for c in (p.wait() for p in procs) if c]:
+        raise SystemExit(f"relay exit codes {codes}")
+    return elapsed
+
+
+def _wait_line(proc: subprocess.Popen[str], text: str) -> None:
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if text in line:
+            return
+    raise SystemExit(f"relay exited ({proc.wait()}) before printing {text!r}")
+
+
+def drain(
+    svc: services.Services,
+    label: str,
+    messages: int,
+    *,
+    replicas: int = 1,
+    keys: int = 0,
+    during: Callable[[str], Iterator[None]] | None = None,
+) -> float:
+    """Fill a scratch outbox with `messages` and time the relays draining it; prints the line."""
+    with svc.scratch_database("outbox_perf") as url:
+        exchange = queue = f"outbox-perf.{uuid.uuid4().hex[:8]}"
+        asyncio.run(declare(svc.amqp_url, exchange, queue))
+        with contextmanager(during or _nothing)(url):
+            fill(url, exchange, messages, keys)
+            with measured_cpu() as cpu:
+                seconds = run_relays(url, svc.amqp_url, replicas)
+        in_queue = asyncio.run(delete(svc.amqp_url, exchange, queue))
+        with psycopg.connect(url) as conn:
+            row = conn.execute("SELECT count(*) FROM outbox.archive").fetchone()
+    if in_queue != min(messages, KEEP) or row is None or row[0] != messages:
+        raise SystemExit(f"{label}: {row} archived, {in_queue:,} in the queue of {messages:,}")
+    rate = messages / seconds
+    print(
+        f"{label}: {messages:,} messages in {seconds:.1f}s = {rate:,.0f} msg/s; "
+        f"{cpu.per_thousand(messages)}"
+    )
+    return rate
+
+
+def _nothing(url: str) -> Iterator[None]:
+    yield
+
+
+def pinned_horizon(url: str) -> Iterator[None]:
+    """A REPEATABLE READ snapshot held open in another session."""
+    with psycopg.connect(url) as conn:
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        conn.execute("SELECT count(*) FROM outbox.messages")  # takes the snapshot
+        yield
+        conn.rollback()
+
+
+# -- steady ---------------------------------------------------------------------------------------
+
+
+async def _steady(url: str, amqp_url: str, exchange: str, rate: int, seconds: float) -> list[float]:
+    """Latencies (s) from just before COMMIT to the consumer's receipt, after a 1 s warm-up."""
+    committing: dict[str, float] = {}
+    received: dict[str, float] = {}
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        await channel.set_qos(prefetch_count=1000)
+        queue = await channel.get_queue(exchange)
+
+        producing = True
+        all_in = asyncio.Event()
+
+        async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            received[str(message.message_id)] = time.perf_counter()
+            if not producing and len(received) >= len(committing):
+                all_in.set()
+
+        await queue.consume(on_message, no_ack=True)
+        producers = 8
+        start = time.perf_counter() + 0.2
+
+        async def produce(k: int) -> None:
+            async with await psycopg.AsyncConnection.connect(url) as conn:
+                for n in range(int(rate * seconds / producers)):
+                    due = start + (n * producers + k) / rate
+                    if (wait := due - time.perf_counter()) > 0:
+                        await asyncio.sleep(wait)
+                    row = await (
+                        await conn.execute(
+                            "SELECT outbox.enqueue(%s, 'bench.steady', %s)", [exchange, b"x" * BODY]
+                        )
+                    ).fetchone()
+                    assert row is not None
+                    committing[str(row[0])] = time.perf_counter()
+                    await conn.commit()
+
+        await asyncio.gather(*(produce(k) for k in range(producers)))
+        producing = False
+        if len(received) < len(committing):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(all_in.wait(), 30)
+    lost = set(committing) - set(received)
+    if lost:
+        raise SystemExit(f"steady {rate}/s: {len(lost)} messages not received within 30 s")
+    return [received[m] - t for m, t in committing.items() if t > start + 1]
+
+
+def steady(svc: services.Services, rate: int, seconds: float) -> None:
+    with svc.scratch_database("outbox_perf") as url:
+        exchange = f"outbox-perf.{uuid.uuid4().hex[:8]}"
+        asyncio.run(declare(svc.amqp_url, exchange, exchange, keep=None))
+        env = clean_env(
+            OUTBOX_DATABASE_URL=url, OUTBOX_AMQP_URL=svc.amqp_url, OUTBOX_LOG_FORMAT="text"
+        )
+        relay = subprocess.Popen(
+            [sys.executable, "-m", "relay", "run"], env=env, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            _wait_line(relay, " ready: schema=")
+            with measured_cpu() as cpu:
+                latencies = uvloop.run(_steady(url, svc.amqp_url, exchange, rate, seconds))
+                relay.send_signal(signal.SIGTERM)
+                relay.wait(30)
+        finally:
+            relay.kill()
+        asyncio.run(delete(svc.amqp_url, exchange, exchange))
+    cuts = statistics.quantiles(latencies, n=100, method="inclusive")
+    sent = int(rate * seconds)
+    print(
+        f"steady {rate:,}/s for {seconds:.0f}s: commit-to-delivery p50 {cuts[49] * 1000:.1f} ms, "
+        f"p95 {cuts[94] * 1000:.1f} ms, p99 {cuts[98] * 1000:.1f} ms, max "
+        f"{max(latencies) * 1000:.1f} ms; {cpu.per_thousand(sent, 'relay + producers + consumer')}"
+    )
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=100_000, help="backlog of the drains")
+    parser.add_argument("--deep", type=int, default=1_000_000, help="the deep backlog")
+    parser.add_argument("--steady-seconds", type=float, default=15.0)
+    parser.add_argument("--quick", action="store_true", help="every size divided by ten")
+    args = parser.parse_args()
+    scale = 10 if args.quick else 1
+    n, deep, shallow = args.messages // scale, args.deep // scale, 10_000 // scale
+    started = time.perf_counter()
+    with services.discover() as svc:
+        ceiling = limit(svc, n)
+        rates = {
+            "drain, 1 replica": drain(svc, "drain, 1 replica", n),
+            "drain, 2 replicas": drain(svc, "drain, 2 replicas", n, replicas=2),
+        }
+        for per_second in (500, 2000):
+            steady(svc, per_second, args.steady_seconds / (1 if scale == 1 else 3))
+        rates["keyed, 100 keys"] = drain(svc, "keyed, 100 keys", n, keys=100)
+        shallow_rate = drain(svc, f"backlog {shallow:,}", shallow)
+        deep_rate = drain(svc, f"backlog {deep:,}", deep)
+        pinned = drain(svc, "drain, horizon pinned", n, during=pinned_horizon)
+    print()
+    print(f"limit (best window): {ceiling:,.0f} msg/s")
+    for label, rate in rates.items():
+        print(f"{label}: {rate:,.0f} msg/s = {rate / ceiling:.0%} of the limit")
+    print(f"backlog {deep:,} vs {shallow:,}: {deep_rate / shallow_rate:.0%}")
+    one = rates["drain, 1 replica"]
+    print(f"horizon pinned vs not: {pinned / one:.0%}")
+    print(f"benchmark took {time.perf_counter() - started:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
