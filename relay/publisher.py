@@ -10,7 +10,7 @@ import re
 import struct
 import time
 from collections.abc import Awaitable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import unquote, urlsplit
 
 import aio_pika
@@ -18,9 +18,9 @@ import aio_pika.abc
 import aiormq
 import aiormq.abc
 import aiormq.exceptions
-from pamqp import commands, frame, header
+from pamqp import commands, constants, frame, header
 
-from relay import errors, model
+from relay import errors, model, wire
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ _BROKER_ERRORS = (
 )
 #: Errors after which a message may or may not have reached the broker.
 _CONNECTION_ERRORS = (*_BROKER_ERRORS, asyncio.CancelledError)
+_EXCHANGE_NAME = constants.DOMAIN_REGEX["exchange-name"]
 _NAMED_EXCHANGE = re.compile(r"exchange '((?:[^'\\]|\\.)*)'")
 _SIZE_LIMIT = re.compile(r"message size \d+ is larger than configured max size (\d+)")
 
@@ -57,6 +58,13 @@ Results = dict[int, model.PublishResult]
 
 class InvalidRow(ValueError):
     """The row cannot be encoded as the AMQP message it claims to be."""
+
+
+class Encoded(NamedTuple):
+    """A message's AMQP properties, and its content header frame marshalled for channel 0."""
+
+    properties: commands.Basic.Properties
+    header: bytes
 
 
 class AmqpPublisher:
@@ -144,10 +152,10 @@ class AmqpPublisher:
         self, messages: Sequence[model.OutboxMessage], abort: asyncio.Event | None = None
     ) -> list[model.PublishResult]:
         results: Results = {}
-        ready: dict[int, commands.Basic.Properties] = {}
+        ready: dict[int, Encoded] = {}
         for i, message in enumerate(messages):
             try:
-                ready[i] = self._properties(message)
+                ready[i] = self._encode(message)
             except InvalidRow as exc:
                 results[i] = model.PublishResult(Outcome.INVALID, str(exc))
         abort = abort or asyncio.Event()
@@ -178,7 +186,7 @@ class AmqpPublisher:
     async def _publish_in_rounds(
         self,
         messages: Sequence[model.OutboxMessage],
-        ready: Mapping[int, commands.Basic.Properties],
+        ready: Mapping[int, Encoded],
         abort: asyncio.Event,
     ) -> Results:
         """Round 1 publishes everything pipelined. After a channel error, the broker's reply names
@@ -221,7 +229,7 @@ class AmqpPublisher:
     async def _pipelined(
         self,
         messages: Sequence[model.OutboxMessage],
-        todo: Mapping[int, commands.Basic.Properties],
+        todo: Mapping[int, Encoded],
         abort: asyncio.Event,
     ) -> tuple[Results, aiormq.exceptions.ChannelClosed | None]:
         """Publish all of `todo` at once and wait for the confirms (or the timeout, or `abort`).
@@ -230,7 +238,15 @@ class AmqpPublisher:
         if channel is None or channel.is_closed:
             return {i: _ambiguous("the channel closed before publishing") for i in todo}, None
         clock = _Stopwatch()
-        tasks = {i: clock.watch(i, _send(channel, messages[i], p)) for i, p in todo.items()}
+        if wire.usable(channel):
+            try:
+                confirms = await self._write_batch(channel, messages, todo)
+            except _CONNECTION_ERRORS as exc:
+                why = f"the channel closed before publishing: {_describe(exc)}"
+                return {i: _ambiguous(why) for i in todo}, None
+            tasks = {i: clock.watch(i, c) for i, c in zip(todo, confirms, strict=True)}
+        else:
+            tasks = {i: clock.watch(i, _send(channel, messages[i], e)) for i, e in todo.items()}
         await _wait_all(list(tasks.values()), self._confirm_timeout, abort)
         results = {
             i: clock.time(i, _outcome(t, self._confirm_timeout, abort)) for i, t in tasks.items()
@@ -246,13 +262,13 @@ class AmqpPublisher:
     async def _one_at_a_time(
         self,
         messages: Sequence[model.OutboxMessage],
-        todo: Mapping[int, commands.Basic.Properties],
+        todo: Mapping[int, Encoded],
         abort: asyncio.Event,
     ) -> Results:
         """Publish each message alone and wait for its confirm: whatever closes the channel now
         can only be that message's doing."""
         results: Results = {}
-        for i, properties in todo.items():
+        for i, encoded in todo.items():
             if abort.is_set():
                 results[i] = _ambiguous("the relay is stopping")
                 continue
@@ -263,7 +279,7 @@ class AmqpPublisher:
                 continue
             assert self._channel is not None
             clock = _Stopwatch()
-            task = clock.watch(i, _send(self._channel, messages[i], properties))
+            task = clock.watch(i, _send(self._channel, messages[i], encoded))
             await _wait_all([task], self._confirm_timeout, abort)
             error = _channel_error([task])
             results[i] = clock.time(i, _outcome(task, self._confirm_timeout, abort))
@@ -336,7 +352,29 @@ class AmqpPublisher:
             self._probe = await self._connection.channel(publisher_confirms=False)
         return self._probe
 
-    def _properties(self, message: model.OutboxMessage) -> commands.Basic.Properties:
+    async def _write_batch(
+        self,
+        channel: aiormq.abc.AbstractChannel,
+        messages: Sequence[model.OutboxMessage],
+        todo: Mapping[int, Encoded],
+    ) -> list[asyncio.Future[Any]]:
+        """Hand `todo`'s frames to the channel's writer in one payload; one confirm future each."""
+        number = channel.number
+        batch = []
+        for i, encoded in todo.items():
+            message = messages[i]
+            frames = b"".join(
+                (
+                    wire.method(number, message.exchange, message.routing_key, mandatory=True),
+                    wire.on_channel(encoded.header, number),
+                    wire.body(number, message.body, self._frame_max),
+                )
+            )
+            batch.append((str(message.message_id), frames))
+        confirms, _ = await wire.publish(channel, batch)
+        return confirms
+
+    def _encode(self, message: model.OutboxMessage) -> Encoded:
         """The AMQP properties for `message`, checked to encode exactly as stored."""
         if message.invalid is not None:
             raise InvalidRow(message.invalid)
@@ -382,15 +420,22 @@ class AmqpPublisher:
                 user_id=stored.get("user_id"),
                 app_id=stored.get("app_id"),
             )
-            size = len(frame.marshal(header.ContentHeader(0, len(message.body), properties), 1))
+            content_header = frame.marshal(
+                header.ContentHeader(0, len(message.body), properties), 0
+            )
         except _ENCODING_ERRORS as exc:
             raise InvalidRow(f"cannot encode as AMQP: {exc}") from None
-        if size > self._frame_max:
+        if len(content_header) > self._frame_max:
             raise InvalidRow(
-                f"headers and properties take {size} bytes; "
+                f"headers and properties take {len(content_header)} bytes; "
                 f"the broker's frame_max is {self._frame_max}"
             )
-        return properties
+        if len(message.exchange) > 127 or not _EXCHANGE_NAME.fullmatch(message.exchange):
+            # What AMQP 0-9-1 allows, and what aio-pika's exchange check can ask about.
+            raise InvalidRow(f"exchange name {message.exchange[:40]!r} is not valid in AMQP")
+        if len(message.routing_key.encode("utf-8")) > 255:
+            raise InvalidRow("the routing key is longer than AMQP's 255 bytes")
+        return Encoded(properties, content_header)
 
 
 class _Stopwatch:
@@ -413,15 +458,14 @@ class _Stopwatch:
 
 
 async def _send(
-    channel: aiormq.abc.AbstractChannel,
-    message: model.OutboxMessage,
-    properties: commands.Basic.Properties,
+    channel: aiormq.abc.AbstractChannel, message: model.OutboxMessage, encoded: Encoded
 ) -> Any:
+    """One publish through aiormq's own path (a message alone, or an aiormq `wire` cannot use)."""
     return await channel.basic_publish(
         message.body,
         exchange=message.exchange,
         routing_key=message.routing_key,
-        properties=properties,
+        properties=encoded.properties,
         mandatory=True,
     )
 

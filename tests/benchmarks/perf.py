@@ -198,12 +198,30 @@ def fill(url: str, exchange: str, messages: int, keys: int = 0) -> None:
             conn.commit()
 
 
-def run_relays(url: str, amqp_url: str, replicas: int) -> float:
+#: Where `--profile` writes py-spy's flame graphs of the relays (None: no profiling).
+PROFILE: Path | None = None
+
+
+def relay_command(label: str, *args: str) -> list[str]:
+    """`outbox-relay <args>` as a subprocess; under py-spy when `--profile` is given."""
+    command = [sys.executable, "-m", "relay", *args]
+    if PROFILE is None:
+        return command
+    PROFILE.mkdir(parents=True, exist_ok=True)
+    name = "".join(c if c.isalnum() else "-" for c in label).strip("-")
+    output = PROFILE / f"{name}-{uuid.uuid4().hex[:4]}.txt"
+    return [
+        *("py-spy", "record", "--rate", "250", "--nonblocking", "--format", "raw"),
+        *("-o", str(output), "--", *command),
+    ]
+
+
+def run_relays(url: str, amqp_url: str, replicas: int, label: str = "drain") -> float:
     """Seconds from every relay being ready until the last reports an empty outbox."""
     env = clean_env(OUTBOX_DATABASE_URL=url, OUTBOX_AMQP_URL=amqp_url, OUTBOX_LOG_FORMAT="text")
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "relay", "run", "--until-empty"],
+            relay_command(label, "run", "--until-empty"),
             env=env,
             stderr=subprocess.PIPE,
             text=True,
@@ -245,7 +263,7 @@ def drain(
         with contextmanager(during or _nothing)(url):
             fill(url, exchange, messages, keys)
             with measured_cpu() as cpu:
-                seconds = run_relays(url, svc.amqp_url, replicas)
+                seconds = run_relays(url, svc.amqp_url, replicas, label)
         in_queue = asyncio.run(delete(svc.amqp_url, exchange, queue))
         with psycopg.connect(url) as conn:
             row = conn.execute("SELECT count(*) FROM outbox.archive").fetchone()
@@ -331,7 +349,7 @@ def steady(svc: services.Services, rate: int, seconds: float) -> None:
             OUTBOX_DATABASE_URL=url, OUTBOX_AMQP_URL=svc.amqp_url, OUTBOX_LOG_FORMAT="text"
         )
         relay = subprocess.Popen(
-            [sys.executable, "-m", "relay", "run"], env=env, stderr=subprocess.PIPE, text=True
+            relay_command(f"steady {rate}", "run"), env=env, stderr=subprocess.PIPE, text=True
         )
         try:
             _wait_line(relay, " ready: schema=")
@@ -354,35 +372,61 @@ def steady(svc: services.Services, rate: int, seconds: float) -> None:
 # -- main -----------------------------------------------------------------------------------------
 
 
+SCENARIOS = ("limit", "drain", "steady", "keyed", "backlog", "horizon")
+
+
 def main() -> None:
+    global PROFILE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=100_000, help="backlog of the drains")
     parser.add_argument("--deep", type=int, default=1_000_000, help="the deep backlog")
     parser.add_argument("--steady-seconds", type=float, default=15.0)
     parser.add_argument("--quick", action="store_true", help="every size divided by ten")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=SCENARIOS,
+        default=SCENARIOS,
+        help="run these scenarios only (ratios need limit, and horizon needs drain)",
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="record each relay with py-spy (pip install py-spy): folded stacks in "
+        "DIR/<scenario>-*.txt, for speedscope or flamegraph.pl",
+    )
     args = parser.parse_args()
+    PROFILE = args.profile
+    only = set(args.only)
     scale = 10 if args.quick else 1
     n, deep, shallow = args.messages // scale, args.deep // scale, 10_000 // scale
     started = time.perf_counter()
+    rates: dict[str, float] = {}
     with services.discover() as svc:
-        ceiling = limit(svc, n)
-        rates = {
-            "drain, 1 replica": drain(svc, "drain, 1 replica", n),
-            "drain, 2 replicas": drain(svc, "drain, 2 replicas", n, replicas=2),
-        }
-        for per_second in (500, 2000):
-            steady(svc, per_second, args.steady_seconds / (1 if scale == 1 else 3))
-        rates["keyed, 100 keys"] = drain(svc, "keyed, 100 keys", n, keys=100)
-        shallow_rate = drain(svc, f"backlog {shallow:,}", shallow)
-        deep_rate = drain(svc, f"backlog {deep:,}", deep)
-        pinned = drain(svc, "drain, horizon pinned", n, during=pinned_horizon)
+        ceiling = limit(svc, n) if "limit" in only else None
+        if "drain" in only:
+            rates["drain, 1 replica"] = drain(svc, "drain, 1 replica", n)
+            rates["drain, 2 replicas"] = drain(svc, "drain, 2 replicas", n, replicas=2)
+        if "steady" in only:
+            for per_second in (500, 2000):
+                steady(svc, per_second, args.steady_seconds / (1 if scale == 1 else 3))
+        if "keyed" in only:
+            rates["keyed, 100 keys"] = drain(svc, "keyed, 100 keys", n, keys=100)
+        if "backlog" in only:
+            shallow_rate = drain(svc, f"backlog {shallow:,}", shallow)
+            deep_rate = drain(svc, f"backlog {deep:,}", deep)
+        if "horizon" in only:
+            pinned = drain(svc, "drain, horizon pinned", n, during=pinned_horizon)
     print()
-    print(f"limit (best window): {ceiling:,.0f} msg/s")
-    for label, rate in rates.items():
-        print(f"{label}: {rate:,.0f} msg/s = {rate / ceiling:.0%} of the limit")
-    print(f"backlog {deep:,} vs {shallow:,}: {deep_rate / shallow_rate:.0%}")
-    one = rates["drain, 1 replica"]
-    print(f"horizon pinned vs not: {pinned / one:.0%}")
+    if ceiling is not None:
+        print(f"limit (best window): {ceiling:,.0f} msg/s")
+        for label, rate in rates.items():
+            print(f"{label}: {rate:,.0f} msg/s = {rate / ceiling:.0%} of the limit")
+    if "backlog" in only:
+        print(f"backlog {deep:,} vs {shallow:,}: {deep_rate / shallow_rate:.0%}")
+    if "horizon" in only and "drain, 1 replica" in rates:
+        print(f"horizon pinned vs not: {pinned / rates['drain, 1 replica']:.0%}")
     print(f"benchmark took {time.perf_counter() - started:.0f}s")
 
 
