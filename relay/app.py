@@ -38,6 +38,7 @@ def options(settings: config.Settings) -> loop.Options:
         retry_delay=settings.retry_delay,
         retry_max_delay=settings.retry_max_delay,
         shutdown_grace=settings.shutdown_timeout,
+        prefetch=True,
     )
 
 

@@ -33,6 +33,9 @@ class Options:
     retry_max_delay: float = 300.0
     reconnect_max_delay: float = 30.0
     shutdown_grace: float = 30.0
+    #: Claim the next batch while a full one is being published, so the database's work overlaps
+    #: the broker's (the composition root turns it on; a cycle then leaves the next batch leased).
+    prefetch: bool = False
 
     @property
     def heartbeat(self) -> float:
@@ -131,6 +134,8 @@ class Relay:
         self._stopping = asyncio.Event()  # claim nothing more; give back what is not yet sent
         self._abort = asyncio.Event()  # the shutdown grace is over: stop waiting for confirms
         self._next_orphan_check = 0.0
+        self._held: dict[UUID, list[int]] = {}  # the claims in flight here: the heartbeat's
+        self._prefetched: asyncio.Future[tuple[model.Claim, float]] | None = None
         self.last_progress = (
             time.monotonic()
         )  # for /livez: the loop is cycling, or waiting on purpose
@@ -151,15 +156,45 @@ class Relay:
         are claimed, it settles them before returning."""
         await self._publisher.connect()  # never lease rows we could not publish
         if self._publisher.blocked:
+            await self.drop_prefetched()
             return model.CycleReport(blocked=True)
-        report = await self._work(
-            *await _timed(self._store.claim(self._options.batch_size, self._options.lease))
-        )
+        report = await self._work(*await self._claim())
         if time.monotonic() >= self._next_orphan_check:
             report = report.combine(await self._orphans())
         if self._on_cycle is not None:
             self._on_cycle(report)
         return report
+
+    async def _claim(self) -> tuple[model.Claim, float]:
+        """The batch claimed ahead during the last cycle, else a fresh claim."""
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None:
+            try:
+                return await prefetched
+            except errors.TransientError as exc:
+                log.debug("claiming ahead failed (%s); claiming now", exc)
+        return await _timed(self._store.claim(self._options.batch_size, self._options.lease))
+
+    async def _claim_ahead(self) -> tuple[model.Claim, float]:
+        claim, seconds = await _timed(
+            self._store.claim(self._options.batch_size, self._options.lease)
+        )
+        if claim.messages:
+            self._held[claim.claim_id] = [m.id for m in claim.messages]
+        return claim, seconds
+
+    async def drop_prefetched(self) -> None:
+        """Give back a batch claimed ahead that no cycle will publish (stopping, or blocked)."""
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is None:
+            return
+        try:
+            claim, _ = await prefetched
+        except errors.TransientError:
+            return  # nothing was claimed, or its lease runs out: orphans, taken one at a time
+        if claim.messages:
+            await self._settle(claim.claim_id, release(claim.messages, "released unsent"))
+            self._held.pop(claim.claim_id, None)
 
     async def _orphans(self) -> model.CycleReport:
         """Bury orphans that used up their attempts, then take the others one at a time. Orphans
@@ -207,6 +242,7 @@ class Relay:
             grace.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await grace
+            await self.drop_prefetched()
 
     async def _abort_after_grace(self, stop: asyncio.Event) -> None:
         await stop.wait()
@@ -280,20 +316,25 @@ class Relay:
         else:
             exhausted = [m for m in batch if m.attempts > self._options.max_attempts]
             to_send = [m for m in batch if m.attempts <= self._options.max_attempts]
-            async with self._heartbeat(claim.claim_id, [m.id for m in to_send]):
+            self._held[claim.claim_id] = [m.id for m in to_send]
+            if self._options.prefetch and len(batch) >= self._options.batch_size:
+                self._prefetched = asyncio.ensure_future(self._claim_ahead())
+            async with self._heartbeat():
                 results = await self._publisher.publish(to_send, self._abort) if to_send else []
             settlement = plan(
                 to_send, results, exhausted, self._options, stopping=self._stopping.is_set()
             )
         counts = await self._settle(claim.claim_id, settlement)
+        self._held.pop(claim.claim_id, None)
         _log_transitions(batch, settlement, counts)
         return _report(claim, claim_seconds, to_send, results, settlement, counts)
 
     @contextlib.asynccontextmanager
-    async def _heartbeat(self, claim_id: UUID, ids: Sequence[int]) -> AsyncIterator[None]:
-        """Renew the batch's lease while it is being published, so a slow broker cannot make its
-        rows look abandoned; a relay that dies stops renewing, and its rows come back quickly."""
-        beating = asyncio.create_task(self._beat(claim_id, ids))
+    async def _heartbeat(self) -> AsyncIterator[None]:
+        """Renew the leases of the batches held here (the one being published, and the next one
+        claimed ahead) while publishing, so a slow broker cannot make their rows look abandoned; a
+        relay that dies stops renewing, and its rows come back quickly."""
+        beating = asyncio.create_task(self._beat())
         try:
             yield
         finally:
@@ -301,25 +342,26 @@ class Relay:
             with contextlib.suppress(asyncio.CancelledError):
                 await beating
 
-    async def _beat(self, claim_id: UUID, ids: Sequence[int]) -> None:
+    async def _beat(self) -> None:
         while True:
             await asyncio.sleep(self._options.heartbeat)
-            try:
-                kept = await self._store.extend(claim_id, ids, self._options.lease)
-            except errors.TransientError as exc:
-                log.warning(
-                    "could not renew a lease (%s); if it runs out, another relay may "
-                    "publish the rows too",
-                    exc,
-                )
-                continue
-            if kept < len(ids):
-                log.warning(
-                    "%d of %d rows in flight were re-claimed by another relay after their "
-                    "lease ran out",
-                    len(ids) - kept,
-                    len(ids),
-                )
+            for claim_id, ids in list(self._held.items()):
+                try:
+                    kept = await self._store.extend(claim_id, ids, self._options.lease)
+                except errors.TransientError as exc:
+                    log.warning(
+                        "could not renew a lease (%s); if it runs out, another relay may "
+                        "publish the rows too",
+                        exc,
+                    )
+                    continue
+                if kept < len(ids):
+                    log.warning(
+                        "%d of %d rows held were re-claimed by another relay after their "
+                        "lease ran out",
+                        len(ids) - kept,
+                        len(ids),
+                    )
 
     async def _settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:
         # The broker has spoken; forgetting what it said would re-send the batch after the lease.

@@ -255,6 +255,78 @@ async def test_blocked_broker_claims_nothing_until_it_unblocks() -> None:
     assert store.calls.count("claim") >= 1
 
 
+async def test_claim_ahead_leases_the_next_batch_while_one_is_published() -> None:
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    rows = [store.add() for _ in range(25)]
+    publisher.gate = asyncio.Event()
+    relay = relay_for(store, publisher, batch_size=10, prefetch=True)
+    first = asyncio.create_task(relay.run_once())
+    await asyncio.wait_for(publisher.publishing.wait(), 5)
+    # The first batch awaits its confirms; the second is already leased by then.
+    await _until(lambda: rows[19].claim_id is not None)
+    assert rows[20].claim_id is None
+    publisher.gate.set()
+    assert (await asyncio.wait_for(first, 5)).claimed == 10
+    report = await relay.run_until_empty()
+    assert (report.claimed, report.settled.archived) == (15, 15)
+    assert [m.id for m in publisher.published] == [r.id for r in rows]
+    assert store.rows == {}
+    assert store.calls.count("claim") == 4  # 10 + 10 + 5, and the empty one that ends it
+
+
+async def test_claim_ahead_only_after_a_full_batch() -> None:
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    for _ in range(9):
+        store.add()
+    await relay_for(store, publisher, batch_size=10, prefetch=True).run_once()
+    assert store.calls.count("claim") == 1
+
+
+async def test_batch_claimed_ahead_is_given_back_when_the_relay_stops() -> None:
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    rows = [store.add() for _ in range(20)]
+    publisher.gate = asyncio.Event()
+    relay = relay_for(store, publisher, batch_size=10, prefetch=True, poll_interval=3600.0)
+    stop = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop))
+    await asyncio.wait_for(publisher.publishing.wait(), 5)
+    await _until(lambda: rows[19].claim_id is not None)
+    stop.set()
+    publisher.gate.set()
+    await asyncio.wait_for(task, 5)
+    assert len(store.archive) == 10
+    for row in rows[10:]:  # unsent, due now for any replica, attempt refunded
+        assert (row.claim_id, row.available_at, row.attempts) == (None, store.now, 0)
+
+
+async def test_heartbeat_renews_the_batch_claimed_ahead_too() -> None:
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    rows = [store.add() for _ in range(4)]
+    publisher.gate = asyncio.Event()
+    relay = relay_for(store, publisher, batch_size=2, lease=0.06, prefetch=True)
+    stalled = asyncio.create_task(relay.run_once())
+    await asyncio.wait_for(publisher.publishing.wait(), 5)
+    await _until(lambda: rows[3].claim_id is not None)
+    ahead = rows[3].available_at
+    store.advance(0.05)
+    await _until(lambda: rows[3].available_at > ahead)
+    publisher.gate.set()
+    await asyncio.wait_for(stalled, 5)
+    assert (await relay.run_until_empty()).settled.archived == 2
+    assert len(store.archive) == 4
+
+
+async def test_blocked_broker_gives_back_the_batch_claimed_ahead() -> None:
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    rows = [store.add() for _ in range(20)]
+    relay = relay_for(store, publisher, batch_size=10, prefetch=True)
+    await relay.run_once()
+    assert rows[19].claim_id is not None
+    publisher.blocked = True
+    assert (await relay.run_once()).blocked
+    assert all(r.claim_id is None and r.attempts == 0 for r in rows[10:])
+
+
 def test_rejected_message_is_dead_with_the_reason_the_publisher_named() -> None:
     result = model.PublishResult(Outcome.REJECTED, "406 too big", reason=model.DeadReason.TOO_LARGE)
     plan = loop.plan([_message(1)], [result], [], loop.Options())
