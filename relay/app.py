@@ -108,7 +108,12 @@ async def components(
     database_url = settings.database_url.get_secret_value()
     store = await startup(
         "PostgreSQL",
-        lambda: PgStore.open(database_url, settings.db_schema, settings.relay_name),
+        lambda: PgStore.open(
+            database_url,
+            settings.db_schema,
+            settings.relay_name,
+            synchronous_commit=settings.synchronous_commit,
+        ),
         settings.startup_timeout,
         stop,
     )

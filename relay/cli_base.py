@@ -31,6 +31,7 @@ RELAY_KNOBS = (
     "log_level",
     "log_format",
     "event_loop",
+    "synchronous_commit",
     "metrics_host",
     "metrics_port",
     "stats_interval",

@@ -156,6 +156,12 @@ class Settings(_Database):
         description="`uvloop`, `asyncio`, or `auto`: uvloop when it is installed (about twice the "
         "publish rate), else asyncio's own loop.",
     )
+    synchronous_commit: bool = Field(
+        False,
+        description="Whether the relay's own transactions (claims, settles) wait for the WAL "
+        "flush. Off by default: losing one in a database crash only makes the relay send again "
+        "what the broker already confirmed; no message is lost (README, Performance).",
+    )
     metrics_host: str = Field(
         "0.0.0.0",  # noqa: S104  # scraped from other hosts by default; narrow it with this setting
         min_length=1,

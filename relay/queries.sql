@@ -213,6 +213,11 @@ SET LOCAL search_path TO {schema}, pg_temp;
 INSERT INTO {schema}.schema_migrations (version, name, checksum)
 VALUES (%(version)s, %(name)s, %(checksum)s);
 
+-- name: relay_session
+-- Each pooled connection of a relay: its own commits wait for the WAL flush, or not (see the
+-- README's Performance section for why "not" loses nothing).
+SELECT set_config('synchronous_commit', %(synchronous_commit)s, false);
+
 -- name: schema_version
 SELECT coalesce(max(version), 0) FROM {schema}.schema_migrations;
 

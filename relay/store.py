@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, LiteralString
 from uuid import UUID
 
@@ -40,6 +40,7 @@ class PgStore:
         *,
         connect_timeout: float = 10.0,
         max_size: int = 2,
+        synchronous_commit: bool = True,
     ) -> PgStore:
         """Open a pool and check the schema exists. Raises DatabaseUnavailable or SchemaMissing."""
         config.check_identifier(schema)
@@ -61,6 +62,7 @@ class PgStore:
             timeout=POOL_WAIT,
             reconnect_timeout=POOL_WAIT,
             kwargs={"autocommit": True, "application_name": pg.APPLICATION_NAME},
+            configure=_session(sql.load(schema).relay_session, synchronous_commit),
             name="outbox-relay",
         )
         try:
@@ -243,6 +245,17 @@ class PgStore:
         async with self._connection() as conn:
             cur = await conn.execute(self._q.dead_by_reason)
             return {str(reason): int(n) for reason, n in await cur.fetchall()}
+
+
+def _session(
+    query: LiteralString, synchronous_commit: bool
+) -> Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]]:
+    """The pool's set-up of each new connection."""
+
+    async def configure(conn: psycopg.AsyncConnection[Any]) -> None:
+        await conn.execute(query, {"synchronous_commit": "on" if synchronous_commit else "off"})
+
+    return configure
 
 
 def _float(value: Any) -> float | None:

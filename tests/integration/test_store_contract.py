@@ -246,3 +246,21 @@ async def test_stats_count_each_state(harness: Harness) -> None:
     assert (stats.pending, stats.due, stats.scheduled, stats.in_flight) == (3, 2, 1, 1)
     assert stats.oldest_pending_age_seconds is not None
     assert 0 <= stats.oldest_pending_age_seconds < 60
+
+
+@pytest.mark.parametrize("synchronous", [False, True])
+async def test_relay_sessions_wait_for_the_wal_flush_only_when_asked(
+    database_url: str, synchronous: bool
+) -> None:
+    store = await PgStore.open(database_url, "outbox", "t", synchronous_commit=synchronous)
+    try:
+        # Every connection of the pool, old and new, carries the setting.
+        async with store._connection() as first, store._connection() as second:
+            for conn in (first, second):
+                cur = await conn.execute("SHOW synchronous_commit")
+                assert await cur.fetchone() == ("on" if synchronous else "off",)
+    finally:
+        await store.close()
+    # Other sessions keep the server's default.
+    with psycopg.connect(database_url) as other:
+        assert other.execute("SHOW synchronous_commit").fetchone() == ("on",)
