@@ -173,12 +173,13 @@ class Relay:
                 return await prefetched
             except errors.TransientError as exc:
                 log.debug("claiming ahead failed (%s); claiming now", exc)
+        return await self._claim_now()
+
+    async def _claim_now(self) -> tuple[model.Claim, float]:
         return await _timed(self._store.claim(self._options.batch_size, self._options.lease))
 
     async def _claim_ahead(self) -> tuple[model.Claim, float]:
-        claim, seconds = await _timed(
-            self._store.claim(self._options.batch_size, self._options.lease)
-        )
+        claim, seconds = await self._claim_now()
         if claim.messages:
             self._held[claim.claim_id] = [m.id for m in claim.messages]
         return claim, seconds

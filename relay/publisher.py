@@ -371,8 +371,7 @@ class AmqpPublisher:
                 )
             )
             batch.append((str(message.message_id), frames))
-        confirms, _ = await wire.publish(channel, batch)
-        return confirms
+        return await wire.publish(channel, batch)
 
     def _encode(self, message: model.OutboxMessage) -> Encoded:
         """The AMQP properties for `message`, checked to encode exactly as stored."""

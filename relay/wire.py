@@ -68,10 +68,10 @@ def on_channel(header: bytes, channel: int) -> bytes:
 
 async def publish(
     channel: aiormq.abc.AbstractChannel, messages: Sequence[tuple[str, bytes]]
-) -> tuple[list[asyncio.Future[Any]], asyncio.Future[Any]]:
+) -> list[asyncio.Future[Any]]:
     """Write each (message_id, frames) in order, as one payload; return one future per message,
-    resolved by the broker's confirm (or failed by a nack, a return or the channel closing), and
-    a future that resolves once the payload is handed to the socket."""
+    resolved by the broker's confirm (or failed by a nack, a return or the channel closing). The
+    writer drains the socket after the payload, which is the batch's back-pressure."""
     ch: Any = channel
     confirmations: list[asyncio.Future[Any]] = []
     drained = ch.create_future()
@@ -99,7 +99,7 @@ async def publish(
                 confirmation.cancel()
             drained.cancel()
             raise
-    return confirmations, drained
+    return confirmations
 
 
 def _forget(channel: Any, message_id: str, tag: int, _: asyncio.Future[Any]) -> None:
