@@ -108,7 +108,11 @@ def stats(as_json: bool, **flags: Any) -> None:
     ]
     if seen is not None:
         rows += [
-            ("dead tuples", f"{seen.dead_tuples}  (last autovacuum {_when(seen.last_autovacuum)})"),
+            (
+                "dead tuples",
+                f"{seen.dead_tuples}  (last autovacuum {_when(seen.last_autovacuum)})"
+                + ("" if seen.autovacuum_on else "  AUTOVACUUM OFF"),
+            ),
             (
                 "vacuum horizon",
                 "free"

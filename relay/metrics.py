@@ -141,6 +141,11 @@ class Metrics:
             "When autovacuum last finished on the messages table (0: never).",
             registry=r,
         )
+        self.autovacuum_on = Gauge(
+            "outbox_db_autovacuum_enabled",
+            "1 if autovacuum is on for the server and the messages table; 0 if it is off.",
+            registry=r,
+        )
         self.xmin_age = Gauge(
             "outbox_db_oldest_xmin_seconds",
             "Age of the oldest transaction holding back PostgreSQL's vacuum horizon.",
@@ -220,6 +225,7 @@ class Metrics:
         self.blocked_keys.set(seen.blocked_keys)
         self.dead_tuples.set(seen.dead_tuples)
         self.last_autovacuum.set(seen.last_autovacuum or 0.0)
+        self.autovacuum_on.set(1 if seen.autovacuum_on else 0)
         self.xmin_age.set(seen.xmin_seconds or 0.0)
         self.xmin_xids.set(seen.xmin_xids or 0)
         self.observed_at.set_to_current_time()

@@ -240,6 +240,7 @@ class Observation:
     blocked_keys: int
     dead_tuples: int
     last_autovacuum: float | None  # unix time
+    autovacuum_on: bool  # for the server and the messages table
     xmin_seconds: float | None  # age of the oldest transaction holding the vacuum horizon
     xmin_xids: int | None
     xmin_pid: int | None

@@ -273,6 +273,11 @@ SELECT
      WHERE relid = to_regclass(%(messages)s)) AS dead_tuples,
     (SELECT extract(epoch FROM last_autovacuum) FROM pg_stat_user_tables
      WHERE relid = to_regclass(%(messages)s)) AS last_autovacuum,
+    -- Off for the server or for the table: the queue bloats and its statistics go stale.
+    (SELECT current_setting('autovacuum')::boolean
+            AND coalesce((SELECT option_value::boolean FROM pg_options_to_table(c.reloptions)
+                          WHERE option_name = 'autovacuum_enabled'), true)
+     FROM pg_class AS c WHERE c.oid = to_regclass(%(messages)s)) AS autovacuum_on,
     h.seconds, h.xids, h.pid, h.state
 FROM (SELECT 1) AS one
 LEFT JOIN LATERAL (

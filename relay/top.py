@@ -60,7 +60,10 @@ def render(frame: Frame, schema: str) -> Panel:
         dead.add_row("[dim]none", "")
     health = Table.grid(padding=(0, 2))
     health.add_row("blocked keys", str(seen.blocked_keys))
-    health.add_row("dead tuples", f"{seen.dead_tuples:,}")
+    health.add_row(
+        "dead tuples",
+        f"{seen.dead_tuples:,}" + ("" if seen.autovacuum_on else "  [red]autovacuum off"),
+    )
     health.add_row("vacuum horizon", _horizon(seen))
     title = f"outbox-relay top — schema {schema} — {frame.at:%Y-%m-%d %H:%M:%S %Z}"
     return Panel(Group(flow, "", backlog, "", dead, "", health), title=title, expand=False)

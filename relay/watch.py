@@ -26,7 +26,8 @@ class Verdict:
 
 class Watcher:
     """Refreshes the gauges every `stats_interval`, warns when a transaction pins PostgreSQL's
-    vacuum horizon longer than `xmin_warning`, and keeps the verdicts /livez and /readyz serve."""
+    vacuum horizon longer than `xmin_warning` or autovacuum is off for the queue table, and keeps
+    the verdicts /livez and /readyz serve."""
 
     def __init__(
         self,
@@ -50,6 +51,7 @@ class Watcher:
         self._stall_after = stall_after
         self._next_observation = 0.0
         self._warned_pid: int | None = None
+        self._warned_autovacuum = False
         self.readiness = Verdict(False, "starting")
 
     def liveness(self) -> Verdict:
@@ -96,6 +98,7 @@ class Watcher:
             log.debug("could not refresh the gauges: %s", exc)
             return
         self._metrics.observe(seen)
+        self._check_autovacuum(seen.autovacuum_on)
         if seen.xmin_seconds is not None and seen.xmin_seconds > self._xmin_warning:
             if seen.xmin_pid != self._warned_pid:
                 log.warning(
@@ -116,3 +119,18 @@ class Watcher:
                 self._warned_pid = seen.xmin_pid
         else:
             self._warned_pid = None
+
+    def _check_autovacuum(self, on: bool) -> None:
+        """Warn once each time autovacuum is found off: nothing then removes the two dead row
+        versions every message leaves, nor refreshes the statistics the claim is planned on."""
+        if on or self._warned_autovacuum:
+            self._warned_autovacuum = not on
+            return
+        log.warning(
+            "autovacuum is off for the messages table (server setting `autovacuum` or the "
+            "table's autovacuum_enabled): every message leaves dead rows that nothing removes "
+            "and the claim is planned on stale statistics; turn it on, or VACUUM (ANALYZE) "
+            "the table on a schedule",
+            extra=logs.event(event="autovacuum_off"),
+        )
+        self._warned_autovacuum = True

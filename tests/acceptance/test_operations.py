@@ -139,6 +139,28 @@ async def test_a_scrape_counts_exactly_the_workload(
         assert any(n.startswith(family.name) for n in names), family.name
 
 
+def test_autovacuum_off_for_the_queue_is_warned_once_and_shown(
+    database_url: str, amqp_url: str
+) -> None:
+    with psycopg.connect(database_url, autocommit=True) as conn:  # this test's own database
+        conn.execute("ALTER TABLE outbox.messages SET (autovacuum_enabled = false)")
+    env = clean_env(
+        OUTBOX_DATABASE_URL=database_url, OUTBOX_AMQP_URL=amqp_url, OUTBOX_STATS_INTERVAL="0.2"
+    )
+    with RelayProcess(env) as proc:
+        base = endpoint(proc)
+        proc.wait_for("autovacuum is off for the messages table")
+        first = value(scrape(base), "outbox_observed_timestamp_seconds") or 0.0
+
+        def observed_again() -> bool:  # a few more looks, each finding it still off
+            return (value(scrape(base), "outbox_observed_timestamp_seconds") or 0.0) > first + 1
+
+        until(observed_again, timeout=30, interval=0.1, message="more observations")
+        assert value(scrape(base), "outbox_db_autovacuum_enabled") == 0
+        assert proc.stop() == 0
+    assert proc.output.count("autovacuum is off") == 1
+
+
 @contextmanager
 def proxied(url: str, default_port: int) -> Iterator[tuple[TcpProxy, str]]:
     parts = urlsplit(url)

@@ -264,3 +264,16 @@ async def test_relay_sessions_wait_for_the_wal_flush_only_when_asked(
     # Other sessions keep the server's default.
     with psycopg.connect(database_url) as other:
         assert other.execute("SHOW synchronous_commit").fetchone() == ("on",)
+
+
+async def test_observation_tells_whether_autovacuum_runs_for_the_queue(database_url: str) -> None:
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        server = conn.execute("SELECT current_setting('autovacuum')::boolean").fetchone()
+    store = await PgStore.open(database_url, "outbox", "t")
+    try:
+        assert (await store.observe()).autovacuum_on == (server == (True,))
+        with psycopg.connect(database_url, autocommit=True) as conn:  # this test's own database
+            conn.execute("ALTER TABLE outbox.messages SET (autovacuum_enabled = false)")
+        assert (await store.observe()).autovacuum_on is False
+    finally:
+        await store.close()

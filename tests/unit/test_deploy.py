@@ -90,6 +90,7 @@ def test_alert_rules_cover_the_operator_questions_each_with_a_runbook() -> None:
         "OutboxOldestMessageTooOld",
         "OutboxDeadLettersRising",
         "OutboxVacuumHorizonPinned",
+        "OutboxAutovacuumOff",
         "OutboxBrokerBlocked",
     } <= names
 
