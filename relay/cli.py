@@ -25,6 +25,7 @@ from relay import (
     logs,
 )
 from relay import migrate as migrations
+from relay import roles as access
 from relay import top as live
 from relay.cli_base import (
     CONNECTION,
@@ -63,6 +64,28 @@ def migrate(**flags: Any) -> None:
         click.echo(f'applied {names}; schema "{settings.db_schema}" is at version {result.version}')
     else:
         click.echo(f'schema "{settings.db_schema}" is up to date (version {result.version})')
+
+
+@main.command()
+@settings_options("database_url", "db_schema", "log_level")
+@fail_cleanly
+def roles(**flags: Any) -> None:
+    """Create the schema's producer, relay and operator roles and grant each only what its job
+    needs (idempotent; run as the schema's owner with CREATEROLE, after `migrate`).
+
+    The roles cannot log in: grant them to your users, e.g. GRANT outbox_producer TO app;"""
+    settings = config.load(**flags)
+    logs.configure(settings.log_level, settings.log_format)
+    made = access.ensure(settings.database_url.get_secret_value(), settings.db_schema)
+    jobs = {
+        made.producer: "enqueue only",
+        made.relay: "claim, publish, settle, archive, dead-letter",
+        made.operator: "dead letters, archive, keys, stats, pipeline",
+    }
+    for name, job in jobs.items():
+        state = "created" if name in made.created else "exists"
+        click.echo(f"{name:<24} {state:<8} {job}")
+    click.echo(f"grants applied; give them to login roles: GRANT {made.producer} TO <user>;")
 
 
 @main.command()

@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 import psycopg.errors
 
-from relay import config, errors, pg, sql
+from relay import config, errors, pg, roles, sql
 
 _FILE = re.compile(r"(\d{4})_(\w+)\.sql")
 
@@ -74,7 +74,10 @@ def migrate(conninfo: str, schema: str, migrations: list[Migration] | None = Non
         with psycopg.connect(conninfo, autocommit=True) as conn:
             conn.execute(q.migration_lock, {"schema": schema})
             try:
-                return _apply(conn, q, todo)
+                result = _apply(conn, q, todo)
+                conn.execute(q.revoke_public_execute)
+                roles.refresh(conn, schema)  # grant new objects to the roles, if set up
+                return result
             finally:
                 conn.execute(q.migration_unlock, {"schema": schema})
     except psycopg.OperationalError as exc:

@@ -213,6 +213,11 @@ SET LOCAL search_path TO {schema}, pg_temp;
 INSERT INTO {schema}.schema_migrations (version, name, checksum)
 VALUES (%(version)s, %(name)s, %(checksum)s);
 
+-- name: revoke_public_execute
+-- After every migrate: only the owner and the roles granted by `outbox-relay roles` may call the
+-- schema's functions (PostgreSQL grants EXECUTE to PUBLIC on every new function).
+REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA {schema} FROM PUBLIC;
+
 -- name: relay_session
 -- Each pooled connection of a relay: its own commits wait for the WAL flush, or not (see the
 -- README's Performance section for why "not" loses nothing).

@@ -39,6 +39,7 @@ class Queries:
     applied_migrations: LiteralString
     migration_search_path: LiteralString
     record_migration: LiteralString
+    revoke_public_execute: LiteralString
     relay_session: LiteralString
     schema_version: LiteralString
     blocked_keys: LiteralString

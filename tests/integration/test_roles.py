@@ -1,0 +1,224 @@
+"""Least privilege: each role `outbox-relay roles` creates can do its job, and nothing more."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import psycopg
+import pytest
+from psycopg import errors as pgerrors
+
+import relay
+from relay import migrate, roles
+from tests.support.amqp import Broker
+from tests.support.processes import RelayProcess, clean_env, run_cli
+
+
+@dataclass(frozen=True)
+class Secured:
+    """A schema of its own (role names are global), its roles, and a login user for each."""
+
+    owner_url: str
+    schema: str
+
+    def url(self, job: str) -> str:
+        """The database as the login user holding `job`'s role."""
+        parts = urlsplit(self.owner_url)
+        netloc = f"{self.schema}_{job}_login@{parts.hostname}:{parts.port or 5432}"
+        return parts._replace(netloc=netloc).geturl()
+
+
+@pytest.fixture
+def secured(empty_database_url: str) -> Iterator[Secured]:
+    schema = f"s{uuid.uuid4().hex[:10]}"
+    migrate.migrate(empty_database_url, schema)
+    made = roles.ensure(empty_database_url, schema)
+    logins = [f"{schema}_{job}_login" for job in roles.JOBS]
+    with psycopg.connect(empty_database_url, autocommit=True) as conn:
+        for group, login in zip(made.names(), logins, strict=True):
+            conn.execute(
+                psycopg.sql.SQL("CREATE ROLE {} LOGIN IN ROLE {}").format(
+                    psycopg.sql.Identifier(login), psycopg.sql.Identifier(group)
+                )
+            )
+    try:
+        yield Secured(empty_database_url, schema)
+    finally:
+        with psycopg.connect(empty_database_url, autocommit=True) as conn:
+            for name in [*logins, *made.names()]:
+                conn.execute(
+                    psycopg.sql.SQL("DROP OWNED BY {}").format(psycopg.sql.Identifier(name))
+                )
+        # DROP ROLE needs the roles to own and hold nothing, in any database: the fixture's
+        # database is dropped after this, so drop the roles from the server's own database.
+        admin = urlsplit(empty_database_url)._replace(path="/postgres").geturl()
+        with psycopg.connect(admin, autocommit=True) as conn:
+            for name in [*logins, *made.names()]:
+                conn.execute(
+                    psycopg.sql.SQL("DROP ROLE IF EXISTS {}").format(psycopg.sql.Identifier(name))
+                )
+
+
+def forbidden(url: str, statement: str) -> None:
+    """`statement` fails with a permission error (and changes nothing: it is rolled back)."""
+    with psycopg.connect(url) as conn, pytest.raises(pgerrors.InsufficientPrivilege):
+        conn.execute(statement.encode())
+
+
+def count(s: Secured, table: str) -> int:
+    with psycopg.connect(s.owner_url) as conn:
+        row = conn.execute(f'SELECT count(*) FROM "{s.schema}".{table}'.encode()).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_roles_command_creates_the_roles_once(empty_database_url: str) -> None:
+    schema = f"s{uuid.uuid4().hex[:10]}"
+    migrate.migrate(empty_database_url, schema)
+    env = clean_env(OUTBOX_DATABASE_URL=empty_database_url, OUTBOX_SCHEMA=schema)
+    try:
+        first = run_cli("roles", env=env)
+        assert first.returncode == 0, first.stderr
+        for job in roles.JOBS:
+            assert f"{schema}_{job}" in first.stdout
+        assert first.stdout.count("created") == 3
+        again = run_cli("roles", env=env)  # idempotent: the roles exist, the grants are redone
+        assert again.returncode == 0, again.stderr
+        assert again.stdout.count("exists") == 3
+    finally:
+        with psycopg.connect(empty_database_url, autocommit=True) as conn:
+            for job in roles.JOBS:
+                name = psycopg.sql.Identifier(f"{schema}_{job}")
+                conn.execute(psycopg.sql.SQL("DROP OWNED BY {}").format(name))
+                conn.execute(psycopg.sql.SQL("DROP ROLE {}").format(name))
+
+
+def test_producer_can_enqueue_and_nothing_else(secured: Secured) -> None:
+    s, producer = secured, secured.url("producer")
+    with psycopg.connect(producer) as conn:
+        relay.enqueue(conn, "x", "a.b", b"one", schema=s.schema)
+        relay.enqueue(conn, "x", "a.b", b"two", ordering_key="k", schema=s.schema)
+        relay.enqueue(conn, "x", "a.b", b"three", ordering_key="k", schema=s.schema)
+        conn.execute(f"SELECT \"{s.schema}\".enqueue_json('x', 'a.b', '{{}}')".encode())
+    assert count(s, "messages") == 4
+    q = f'"{s.schema}"'
+    for statement in (
+        f"SELECT * FROM {q}.messages",
+        f"INSERT INTO {q}.messages (message_id, exchange, routing_key, body) "
+        "VALUES (gen_random_uuid(), 'x', 'y', '')",
+        f"UPDATE {q}.messages SET body = ''",
+        f"DELETE FROM {q}.messages",
+        f"SELECT * FROM {q}.archive",
+        f"SELECT * FROM {q}.dead",
+        f"UPDATE {q}.settings SET max_body_bytes = 0",
+        f"SELECT {q}._enqueue('x', 'y', '', '{{}}', '{{}}', now(), NULL, NULL, 'c')",
+        f"SELECT {q}.replay_dead(ARRAY[1::bigint])",
+        f"SELECT {q}.release_key('k')",
+        f"CREATE TABLE {q}.mine (i int)",
+        f"TRUNCATE {q}.messages",
+    ):
+        forbidden(producer, statement)
+
+
+async def test_relay_role_relays_and_nothing_else(secured: Secured, broker: Broker) -> None:
+    s = secured
+    await broker.declare(binding="r.#")
+    with psycopg.connect(s.url("producer")) as conn:
+        for n in range(3):
+            relay.enqueue(conn, broker.exchange, "r.ok", b"%d" % n, schema=s.schema)
+        relay.enqueue(conn, broker.exchange, "r.k", b"k1", ordering_key="k", schema=s.schema)
+        relay.enqueue(conn, broker.exchange, "r.k", b"k2", ordering_key="k", schema=s.schema)
+        relay.enqueue(conn, f"{broker.exchange}.missing", "r", b"lost", schema=s.schema)
+    env = clean_env(
+        OUTBOX_DATABASE_URL=s.url("relay"), OUTBOX_AMQP_URL=broker.url, OUTBOX_SCHEMA=s.schema
+    )
+    with RelayProcess(env, "--until-empty") as proc:
+        proc.wait_for("no due rows left")
+        assert proc.stop() == 0, proc.output
+    assert (count(s, "messages"), count(s, "archive"), count(s, "dead")) == (0, 5, 1)
+    q = f'"{s.schema}"'
+    for statement in (
+        f"INSERT INTO {q}.messages (message_id, exchange, routing_key, body) "
+        "VALUES (gen_random_uuid(), 'x', 'y', '')",
+        f"SELECT {q}.enqueue('x', 'y', ''::bytea)",
+        f"UPDATE {q}.settings SET max_body_bytes = 0",
+        f"DELETE FROM {q}.dead",
+        f"UPDATE {q}.archive SET body = ''",
+        f"INSERT INTO {q}.key_policies (prefix) VALUES ('a')",
+        f"SELECT {q}.replay_dead(ARRAY[1::bigint])",
+        f"TRUNCATE {q}.messages",
+        f"DROP TABLE {q}.archive",
+        f"ALTER TABLE {q}.messages ADD COLUMN evil int",
+        f"CREATE TABLE {q}.mine (i int)",
+    ):
+        forbidden(s.url("relay"), statement)
+
+
+async def test_operator_role_runs_the_cli_and_nothing_else(
+    secured: Secured, broker: Broker
+) -> None:
+    s = secured
+    await broker.declare(binding="r.#")
+    with psycopg.connect(s.url("producer")) as conn:
+        for n in range(4):
+            relay.enqueue(conn, f"{broker.exchange}.missing", "r", b"%d" % n, schema=s.schema)
+    env = clean_env(
+        OUTBOX_DATABASE_URL=s.url("relay"), OUTBOX_AMQP_URL=broker.url, OUTBOX_SCHEMA=s.schema
+    )
+    with RelayProcess(env, "--until-empty") as proc:
+        proc.wait_for("no due rows left")
+        assert proc.stop() == 0, proc.output
+    assert count(s, "dead") == 4
+    with psycopg.connect(s.owner_url) as conn:
+        query = f'SELECT message_id FROM "{s.schema}".dead ORDER BY id'
+        dead = [str(m) for (m,) in conn.execute(query.encode())]
+    ops = clean_env(OUTBOX_DATABASE_URL=s.url("operator"), OUTBOX_SCHEMA=s.schema)
+    for args in (
+        ("dead", "list"),
+        ("dead", "stats"),
+        ("stats",),
+        ("dead", "replay", dead[0], dead[1], "--to-exchange", broker.exchange),
+        ("dead", "purge", dead[2], "--yes"),
+        ("archive", "stats"),
+        ("archive", "prune", "--older-than", "1s"),
+        ("keys", "policy", "set", "acct-", "--on-dead", "skip"),
+    ):
+        result = run_cli(*args, env=ops)
+        assert result.returncode == 0, (args, result.stderr)
+    assert (count(s, "messages"), count(s, "dead")) == (2, 1)
+    q = f'"{s.schema}"'
+    for statement in (
+        f"UPDATE {q}.messages SET body = ''",
+        f"DELETE FROM {q}.messages",
+        f"INSERT INTO {q}.messages (message_id, exchange, routing_key, body) "
+        "VALUES (gen_random_uuid(), 'x', 'y', '')",
+        f"INSERT INTO {q}.archive (message_id, exchange, routing_key, body, headers, properties, "
+        "attempts, created_at) VALUES (gen_random_uuid(), 'x', 'y', '', '{}', '{}', 1, now())",
+        f"UPDATE {q}.settings SET max_body_bytes = 0",
+        f"UPDATE {q}.dead SET body = ''",
+        f"SELECT {q}.enqueue('x', 'y', ''::bytea)",
+        f"TRUNCATE {q}.dead",
+        f"DROP TABLE {q}.dead",
+        f"CREATE TABLE {q}.mine (i int)",
+    ):
+        forbidden(s.url("operator"), statement)
+
+
+def test_migrations_keep_the_roles_grants_current(secured: Secured) -> None:
+    # A later migration's new function is callable by nobody, PUBLIC included; and a grant the
+    # migration lost (here: revoked outright, as DROP + CREATE of a function would) comes back.
+    s = secured
+    text = (
+        "CREATE FUNCTION probe() RETURNS int LANGUAGE sql AS 'SELECT 1';"
+        "REVOKE EXECUTE ON FUNCTION enqueue(text, text, bytea, jsonb, jsonb, timestamptz, text,"
+        f' uuid) FROM "{s.schema}_producer";'
+    )
+    migrate.migrate(
+        s.owner_url, s.schema, [*migrate.discover(), migrate.Migration(9999, "p", text)]
+    )
+    forbidden(s.url("producer"), f'SELECT "{s.schema}".probe()')
+    with psycopg.connect(s.url("producer")) as conn:
+        relay.enqueue(conn, "x", "a.b", b"after", schema=s.schema)
