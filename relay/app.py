@@ -7,10 +7,12 @@ import contextlib
 import dataclasses
 import logging
 import signal
+import ssl
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import timedelta
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 import tenacity
 
@@ -18,7 +20,7 @@ from relay import __version__, config, errors, eventloop, loop, metrics, migrate
 from relay.admin import Admin
 from relay.listener import Listener
 from relay.probes import Probes
-from relay.publisher import AmqpPublisher
+from relay.publisher import AmqpPublisher, tls_context
 from relay.retention import Pruner
 from relay.store import PgStore
 from relay.watch import Watcher
@@ -118,7 +120,9 @@ async def components(
         stop,
     )
     publisher = AmqpPublisher(
-        settings.amqp_url.get_secret_value(), confirm_timeout=settings.confirm_timeout
+        settings.amqp_url.get_secret_value(),
+        confirm_timeout=settings.confirm_timeout,
+        tls=amqp_tls(settings),
     )
     try:
         await startup("RabbitMQ", publisher.connect, settings.startup_timeout, stop)
@@ -327,3 +331,10 @@ async def stats(settings: config.Settings) -> model.Stats:
         return await store.stats()
     finally:
         await store.close()
+
+
+def amqp_tls(settings: config.Settings) -> ssl.SSLContext | None:
+    """The broker connection's TLS context for `amqps://` URLs (None: plain AMQP)."""
+    if urlsplit(settings.amqp_url.get_secret_value()).scheme != "amqps":
+        return None
+    return tls_context(settings.amqp_ca_file, settings.amqp_cert_file, settings.amqp_key_file)

@@ -17,6 +17,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 CONNECTION = ("database_url", "amqp_url", "db_schema")
 RELAY_KNOBS = (
+    "amqp_ca_file",
+    "amqp_cert_file",
+    "amqp_key_file",
     "batch_size",
     "poll_interval",
     "lease",

@@ -60,6 +60,9 @@ def redact_secrets(text: str) -> str:
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 
+#: Settings that may also come from a file named by OUTBOX_<NAME>_FILE.
+SECRETS = ("database_url", "amqp_url")
+
 
 def _default_relay_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
@@ -82,6 +85,30 @@ class _Database(BaseSettings):
         description="PostgreSQL schema holding the outbox tables and functions.",
     )
 
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _secrets_from_files(cls, data: Any) -> Any:
+        """`OUTBOX_<SECRET>_FILE` names a file holding the secret (a Kubernetes or Docker secret),
+        so it need not sit in the environment, where `ps e` and crash dumps can show it."""
+        if not isinstance(data, dict):
+            return data
+        for field in SECRETS:
+            if field not in cls.model_fields:
+                continue
+            variable = f"{env_name(field)}_FILE"
+            path = os.environ.get(variable)
+            if path is None:
+                continue
+            if data.get(field) is not None:
+                raise ValueError(f"set {env_name(field)} or {variable}, not both")
+            try:
+                with open(path, encoding="utf-8") as secret:
+                    data = {**data, field: secret.read().strip()}
+            except (OSError, UnicodeDecodeError) as exc:
+                reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+                raise ValueError(f"cannot read {variable} ({path}): {reason}") from None
+        return data
+
     @field_validator("db_schema")
     @classmethod
     def _schema_is_identifier(cls, value: str) -> str:
@@ -102,6 +129,19 @@ class Settings(_Database):
     amqp_url: SecretStr = Field(
         SecretStr("amqp://guest:guest@127.0.0.1:5672/"),
         description="RabbitMQ connection URL (`amqp://` or `amqps://`).",
+    )
+    amqp_ca_file: str | None = Field(
+        None,
+        description="CA bundle (PEM) that signs the broker's certificate, for `amqps://`; "
+        "unset: the system's trust store. The broker's host name is always verified.",
+    )
+    amqp_cert_file: str | None = Field(
+        None,
+        description="Client certificate (PEM) for brokers that require one (`amqps://`).",
+    )
+    amqp_key_file: str | None = Field(
+        None,
+        description="Private key (PEM) of the client certificate, if not in that file.",
     )
     batch_size: int = Field(500, ge=1, le=10_000, description="Rows claimed per batch.")
     poll_interval: Duration = Field(
@@ -199,6 +239,25 @@ class Settings(_Database):
     @classmethod
     def _amqp_url_scheme(cls, value: SecretStr) -> SecretStr:
         return _check_scheme(value, ("amqp", "amqps"))
+
+    @field_validator("amqp_ca_file", "amqp_cert_file", "amqp_key_file")
+    @classmethod
+    def _readable_file(cls, value: str | None) -> str | None:
+        if value is not None and not os.access(value, os.R_OK):
+            raise ValueError(f"cannot read {value}")
+        return value
+
+    @pydantic.model_validator(mode="after")
+    def _tls_files_need_amqps(self) -> Settings:
+        files = (self.amqp_ca_file, self.amqp_cert_file, self.amqp_key_file)
+        if any(files) and urlsplit(self.amqp_url.get_secret_value()).scheme != "amqps":
+            raise ValueError(
+                "OUTBOX_AMQP_CA_FILE, OUTBOX_AMQP_CERT_FILE and OUTBOX_AMQP_KEY_FILE need an "
+                "amqps:// OUTBOX_AMQP_URL"
+            )
+        if self.amqp_key_file and not self.amqp_cert_file:
+            raise ValueError("OUTBOX_AMQP_KEY_FILE needs OUTBOX_AMQP_CERT_FILE")
+        return self
 
     @field_validator("log_format")
     @classmethod
@@ -305,7 +364,7 @@ def _load(kind: type[_S], overrides: dict[str, Any]) -> _S:
         return kind(**{k: v for k, v in overrides.items() if v is not None})
     except pydantic.ValidationError as exc:
         problems = "; ".join(
-            f"{_setting(e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
+            (f"{_setting(e['loc'])}: " if e["loc"] else "") + e["msg"].removeprefix("Value error, ")
             for e in exc.errors(include_url=False, include_input=False)
         )
         raise errors.ConfigError(f"invalid settings: {problems}") from None

@@ -56,7 +56,9 @@ async def run(
 async def _consumer(
     settings: config.Settings, tally: _Tally, count: int | None, echo: Callable[[str], None]
 ) -> Any:
-    connection = await aio_pika.connect(settings.amqp_url.get_secret_value())
+    connection = await aio_pika.connect(
+        settings.amqp_url.get_secret_value(), ssl_context=app.amqp_tls(settings)
+    )
     try:
         channel = await connection.channel()
         exchange = await channel.declare_exchange(

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import re
+import ssl
 import struct
 import time
 from collections.abc import Awaitable, Mapping, Sequence
@@ -67,6 +68,21 @@ class Encoded(NamedTuple):
     header: bytes
 
 
+def tls_context(
+    ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None
+) -> ssl.SSLContext:
+    """The TLS settings of an `amqps://` connection: the broker's certificate checked against
+    `ca_file` (else the system's trust store) and its host name verified; a client certificate if
+    given. ConfigError if a file is not what it should be."""
+    try:
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca_file)
+        if cert_file:
+            context.load_cert_chain(cert_file, key_file)
+    except (ssl.SSLError, OSError, ValueError) as exc:
+        raise errors.ConfigError(f"TLS settings for RabbitMQ: {exc}") from None
+    return context
+
+
 class AmqpPublisher:
     """ports.Publisher on RabbitMQ. One connection with two channels: a confirm channel that
     carries the batches, and a probe channel for passive exchange checks.
@@ -84,8 +100,10 @@ class AmqpPublisher:
         confirm_timeout: float = 10.0,
         connect_timeout: float = 10.0,
         exchange_ttl: float = EXCHANGE_TTL,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self._url = url
+        self._tls = tls
         self._login = unquote(urlsplit(url).username or "guest")
         self._confirm_timeout = confirm_timeout
         self._connect_timeout = connect_timeout
@@ -123,7 +141,9 @@ class AmqpPublisher:
             return
         await self.close()
         try:
-            connection = await aio_pika.connect(self._url, timeout=self._connect_timeout)
+            connection = await aio_pika.connect(
+                self._url, timeout=self._connect_timeout, ssl_context=self._tls
+            )
             channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
             self._channel = await channel.get_underlay_channel()
             self._connection = connection

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
+import struct
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -14,10 +16,23 @@ T = TypeVar("T")
 class TcpProxy:
     """Forwards 127.0.0.1:<port> to a target. `pause()` stops forwarding in both directions (bytes
     wait in the socket buffers, as on a stalled network); `cut()` resets every open connection and
-    refuses new ones until `restore()`."""
+    refuses new ones until `restore()`.
 
-    def __init__(self, target_host: str, target_port: int) -> None:
+    With `tls`, it terminates TLS with that server context and forwards plain bytes: a TLS
+    listener in front of a server that has none. `postgres=True` speaks PostgreSQL's way into TLS
+    (an SSLRequest answered with `S`, then the handshake) and drops clients that do not ask."""
+
+    def __init__(
+        self,
+        target_host: str,
+        target_port: int,
+        *,
+        tls: ssl.SSLContext | None = None,
+        postgres: bool = False,
+    ) -> None:
         self._target = (target_host, target_port)
+        self._tls = tls
+        self._postgres = postgres
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, daemon=True, name="tcp-proxy"
@@ -65,7 +80,8 @@ class TcpProxy:
     async def _start(self) -> int:
         self._flowing = asyncio.Event()
         self._flowing.set()
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        direct = self._tls if not self._postgres else None
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0, ssl=direct)
         return int(self._server.sockets[0].getsockname()[1])
 
     async def _stop(self) -> None:
@@ -97,6 +113,12 @@ class TcpProxy:
             client_w.transport.abort()
             return
         self.accepted += 1
+        if (
+            self._postgres
+            and self._tls is not None
+            and not await self._postgres_tls(client_r, client_w)
+        ):
+            return
         try:
             server_r, server_w = await asyncio.open_connection(*self._target)
         except OSError:
@@ -112,6 +134,29 @@ class TcpProxy:
             self._connections.discard(writer)
             with contextlib.suppress(Exception):
                 writer.close()
+
+    async def _postgres_tls(
+        self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter
+    ) -> bool:
+        """Answer the client's SSLRequest and upgrade the connection; False if it did not ask
+        (it would talk in clear) or the handshake failed."""
+        assert self._tls is not None
+        try:
+            request = await client_r.readexactly(8)
+        except (asyncio.IncompleteReadError, OSError):
+            client_w.transport.abort()
+            return False
+        if struct.unpack("!ii", request) != (8, 80877103):  # not an SSLRequest
+            client_w.transport.abort()
+            return False
+        client_w.write(b"S")
+        await client_w.drain()
+        try:
+            await client_w.start_tls(self._tls)
+        except (ssl.SSLError, OSError):
+            client_w.transport.abort()
+            return False
+        return True
 
     async def _pump(
         self,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from relay import config, errors
@@ -81,3 +83,35 @@ def test_redaction(text: str, expected: str) -> None:
 def test_errors_name_the_environment_variable() -> None:
     with pytest.raises(errors.ConfigError, match="OUTBOX_MAX_ATTEMPTS: Input should be greater"):
         config.load(max_attempts=0)
+
+
+def test_secrets_can_come_from_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    db, mq = tmp_path / "db", tmp_path / "mq"
+    db.write_text("postgresql://relay:s3cret@db.internal/app?sslmode=verify-full\n")
+    mq.write_text("amqps://relay:an0ther@mq.internal/\n")
+    monkeypatch.setenv("OUTBOX_DATABASE_URL_FILE", str(db))
+    monkeypatch.setenv("OUTBOX_AMQP_URL_FILE", str(mq))
+    settings = config.load()
+    assert settings.database_url.get_secret_value() == (
+        "postgresql://relay:s3cret@db.internal/app?sslmode=verify-full"
+    )
+    assert settings.amqp_url.get_secret_value() == "amqps://relay:an0ther@mq.internal/"
+
+
+def test_a_secret_file_is_checked_like_the_setting_and_never_echoed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret = tmp_path / "db"
+    secret.write_text("mysql://relay:s3cret@db.internal/app")
+    monkeypatch.setenv("OUTBOX_DATABASE_URL_FILE", str(secret))
+    with pytest.raises(errors.ConfigError) as bad:
+        config.load()
+    assert "OUTBOX_DATABASE_URL" in str(bad.value)
+    assert "s3cret" not in str(bad.value)
+    monkeypatch.setenv("OUTBOX_DATABASE_URL_FILE", str(tmp_path / "missing"))
+    with pytest.raises(errors.ConfigError, match=r"cannot read OUTBOX_DATABASE_URL_FILE .*No such"):
+        config.load()
+    monkeypatch.setenv("OUTBOX_DATABASE_URL_FILE", str(secret))
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://x@y/z")
+    with pytest.raises(errors.ConfigError, match="not both"):
+        config.load()
