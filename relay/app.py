@@ -115,6 +115,7 @@ async def components(
             settings.db_schema,
             settings.relay_name,
             synchronous_commit=settings.synchronous_commit,
+            batch_max_bytes=settings.batch_max_bytes,
         ),
         settings.startup_timeout,
         stop,

@@ -21,6 +21,7 @@ RELAY_KNOBS = (
     "amqp_cert_file",
     "amqp_key_file",
     "batch_size",
+    "batch_max_bytes",
     "poll_interval",
     "lease",
     "confirm_timeout",

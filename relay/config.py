@@ -144,6 +144,13 @@ class Settings(_Database):
         description="Private key (PEM) of the client certificate, if not in that file.",
     )
     batch_size: int = Field(500, ge=1, le=10_000, description="Rows claimed per batch.")
+    batch_max_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1024,
+        le=2**31 - 1,
+        description="A claimed batch stops growing at this many bytes of bodies, headers and "
+        "properties (at least one message is taken); the relay holds at most two batches.",
+    )
     poll_interval: Duration = Field(
         1.0, gt=0, description="Longest wait between claims when no NOTIFY arrives (seconds)."
     )

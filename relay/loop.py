@@ -230,8 +230,11 @@ class Relay:
                 self.tick()
                 self.wake.clear()
                 report = await self._cycle(stop)
-                # Straight on while batches come back full, or when settles freed keyed rows.
+                # Straight on while batches come back full (in rows, or in bytes: cut short), or
+                # when settles freed keyed rows.
                 if report is None or report.claimed >= self._options.batch_size:
+                    continue
+                if report.cut_short:
                     continue
                 if report.settled.released:
                     continue
@@ -318,7 +321,9 @@ class Relay:
             exhausted = [m for m in batch if m.attempts > self._options.max_attempts]
             to_send = [m for m in batch if m.attempts <= self._options.max_attempts]
             self._held[claim.claim_id] = [m.id for m in to_send]
-            if self._options.prefetch and len(batch) >= self._options.batch_size:
+            if self._options.prefetch and (
+                len(batch) >= self._options.batch_size or claim.cut_short
+            ):
                 self._prefetched = asyncio.ensure_future(self._claim_ahead())
             async with self._heartbeat():
                 results = await self._publisher.publish(to_send, self._abort) if to_send else []
@@ -390,6 +395,7 @@ def _report(
     acked = [(m, r) for m, r in zip(published, results, strict=True) if r.outcome is Outcome.ACKED]
     return model.CycleReport(
         claimed=len(claim.messages),
+        cut_short=claim.cut_short,
         outcomes=dict(collections.Counter(r.outcome for r in results)),
         dead=dict(collections.Counter(d.reason for d in settlement.dead)),
         settled=counts,

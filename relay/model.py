@@ -69,6 +69,8 @@ class Claim:
 
     claim_id: UUID
     messages: tuple[OutboxMessage, ...]
+    #: The claim stopped at its byte budget with more due rows behind it: claim again at once.
+    cut_short: bool = False
 
 
 class Outcome(enum.Enum):
@@ -176,6 +178,8 @@ class CycleReport:
     retried: Mapping[str, int] = dataclasses.field(default_factory=dict)
     #: Sends whose outcome was unknown (and were or will be sent again).
     ambiguous: int = 0
+    #: A claim stopped at its byte budget with due rows left behind it.
+    cut_short: bool = False
     # Measurements for the histograms (one entry per claim, or per acked message).
     batch_sizes: tuple[int, ...] = ()
     claim_seconds: tuple[float, ...] = ()
@@ -195,6 +199,7 @@ class CycleReport:
             blocked=self.blocked or other.blocked,
             retried=_add(self.retried, other.retried),
             ambiguous=self.ambiguous + other.ambiguous,
+            cut_short=self.cut_short or other.cut_short,
             batch_sizes=self.batch_sizes + other.batch_sizes,
             claim_seconds=self.claim_seconds + other.claim_seconds,
             publish_seconds=self.publish_seconds + other.publish_seconds,

@@ -7,13 +7,22 @@
 -- lets replicas claim side by side; leases are judged by the database clock, never a relay's.
 -- headers and properties come back as text: the relay decodes them row by row, so one row it cannot
 -- read is dead-lettered on its own instead of failing the whole claim.
+-- The batch also stops at %(max_bytes)s of bodies, headers and properties (but takes at least
+-- one row), so big messages cannot make a batch outgrow the relay's memory; rows locked beyond
+-- that go back at commit, and `locked` > rows returned tells the relay more are waiting.
 WITH due AS MATERIALIZED (
-    SELECT id
+    SELECT id, available_at,
+           octet_length(body) + pg_column_size(headers) + pg_column_size(properties) AS bytes
     FROM {schema}.messages
     WHERE claim_id IS NULL AND NOT gated AND available_at <= now()
     ORDER BY available_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
+), taken AS MATERIALIZED (
+    SELECT id
+    FROM (SELECT id, bytes, sum(bytes) OVER (ORDER BY available_at, id) AS running
+          FROM due) AS sized
+    WHERE running <= %(max_bytes)s OR running = bytes
 )
 UPDATE {schema}.messages AS m
 SET attempts = m.attempts + 1,
@@ -21,11 +30,11 @@ SET attempts = m.attempts + 1,
     claimed_by = %(claimed_by)s,
     claimed_at = now(),
     available_at = now() + make_interval(secs => %(lease)s)
-FROM due
-WHERE m.id = due.id
+FROM taken
+WHERE m.id = taken.id
 RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.body, m.headers::text,
           m.properties::text, m.ordering_key, m.created_at, m.attempts, m.ambiguous, m.last_error,
-          m.seq, m.replays, m.replayed_at, m.replayed_from;
+          m.seq, m.replays, m.replayed_at, m.replayed_from, (SELECT count(*) FROM due) AS locked;
 
 -- name: claim_orphans
 -- The same for orphans: rows whose lease ran out without a settle because their relay died.
@@ -48,7 +57,7 @@ FROM due
 WHERE m.id = due.id
 RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.body, m.headers::text,
           m.properties::text, m.ordering_key, m.created_at, m.attempts, m.ambiguous, m.last_error,
-          m.seq, m.replays, m.replayed_at, m.replayed_from;
+          m.seq, m.replays, m.replayed_at, m.replayed_from, 1::bigint AS locked;
 
 -- name: bury_exhausted
 -- Orphans that used up their attempts go to dead here, in SQL: their body never reaches a relay,

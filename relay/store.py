@@ -18,18 +18,26 @@ from relay.pg import translate_errors
 
 #: How long an operation waits for a pooled connection before the database counts as unavailable.
 POOL_WAIT = 3.0
+#: A claimed batch's bodies, headers and properties stop growing past this (the first row is
+#: always taken). The relay holds at most two batches: one publishing, one claimed ahead.
+BATCH_MAX_BYTES = 64 * 1024 * 1024
 
 
 class PgStore:
     """ports.Store on PostgreSQL. Every method raises errors.DatabaseUnavailable on an outage."""
 
     def __init__(
-        self, pool: psycopg_pool.AsyncConnectionPool, schema: str, relay_name: str
+        self,
+        pool: psycopg_pool.AsyncConnectionPool,
+        schema: str,
+        relay_name: str,
+        batch_max_bytes: int = BATCH_MAX_BYTES,
     ) -> None:
         self._pool = pool
         self._schema = schema
         self._q = sql.load(schema)
         self._relay_name = relay_name
+        self._batch_max_bytes = batch_max_bytes
 
     @classmethod
     async def open(
@@ -41,6 +49,7 @@ class PgStore:
         connect_timeout: float = 10.0,
         max_size: int = 2,
         synchronous_commit: bool = True,
+        batch_max_bytes: int = BATCH_MAX_BYTES,
     ) -> PgStore:
         """Open a pool and check the schema exists. Raises DatabaseUnavailable or SchemaMissing."""
         config.check_identifier(schema)
@@ -68,7 +77,7 @@ class PgStore:
         try:
             with translate_errors(schema):
                 await pool.open(wait=True, timeout=connect_timeout)
-            store = cls(pool, schema, relay_name)
+            store = cls(pool, schema, relay_name, batch_max_bytes)
             await store.schema_version()
         except BaseException:
             await pool.close()
@@ -106,6 +115,7 @@ class PgStore:
         claim_id = uuid.uuid4()
         params = {
             "limit": limit,
+            "max_bytes": self._batch_max_bytes,
             "lease": lease,
             "claim_id": claim_id,
             "claimed_by": self._relay_name,
@@ -114,7 +124,9 @@ class PgStore:
             cur = conn.cursor(row_factory=namedtuple_row)
             await cur.execute(query, params)
             rows = await cur.fetchall()
-        return model.Claim(claim_id, tuple(_message(row) for row in rows))
+        locked: int = getattr(rows[0], "locked", 0) if rows else 0
+        cut_short = locked > len(rows)
+        return model.Claim(claim_id, tuple(_message(row) for row in rows), cut_short)
 
     async def bury_exhausted(self, max_attempts: int) -> list[tuple[UUID, int]]:
         async with self._connection() as conn, conn.transaction():

@@ -177,7 +177,13 @@ def test_claims_read_only_due_rows_from_the_index(database_url: str) -> None:
         claim = sql.load("outbox").claim_batch
         plan = conn.execute(
             b"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + claim.encode(),
-            {"limit": 500, "lease": 30, "claim_id": None, "claimed_by": "explain"},
+            {
+                "limit": 500,
+                "max_bytes": 2**26,
+                "lease": 30,
+                "claim_id": None,
+                "claimed_by": "explain",
+            },
         ).fetchone()
         conn.rollback()
     assert plan is not None

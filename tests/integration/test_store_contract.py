@@ -24,7 +24,9 @@ class Harness(Protocol):
     @property
     def store(self) -> ports.Store: ...
 
-    async def add(self, routing_key: str = "k", *, delay: float = 0.0) -> UUID: ...
+    async def add(
+        self, routing_key: str = "k", *, delay: float = 0.0, body: bytes = b"body"
+    ) -> UUID: ...
 
     async def advance(self, seconds: float) -> None: ...
 
@@ -35,9 +37,11 @@ class Harness(Protocol):
 class MemoryHarness:
     store: MemoryStore
 
-    async def add(self, routing_key: str = "k", *, delay: float = 0.0) -> UUID:
+    async def add(
+        self, routing_key: str = "k", *, delay: float = 0.0, body: bytes = b"body"
+    ) -> UUID:
         at = self.store.now + timedelta(seconds=delay)
-        return self.store.add(routing_key=routing_key, body=b"body", available_at=at).message_id
+        return self.store.add(routing_key=routing_key, body=body, available_at=at).message_id
 
     async def advance(self, seconds: float) -> None:
         self.store.advance(seconds)
@@ -54,10 +58,12 @@ class PgHarness:
     store: PgStore
     url: str
 
-    async def add(self, routing_key: str = "k", *, delay: float = 0.0) -> UUID:
+    async def add(
+        self, routing_key: str = "k", *, delay: float = 0.0, body: bytes = b"body"
+    ) -> UUID:
         async with await psycopg.AsyncConnection.connect(self.url) as conn:
             message_id = await relay.enqueue_async(
-                conn, "x", routing_key, b"body", available_at=timedelta(seconds=delay)
+                conn, "x", routing_key, body, available_at=timedelta(seconds=delay)
             )
             await conn.commit()
         return message_id
@@ -277,3 +283,31 @@ async def test_observation_tells_whether_autovacuum_runs_for_the_queue(database_
         assert (await store.observe()).autovacuum_on is False
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize("kind", ["memory", "postgres"])
+async def test_a_batch_stops_at_its_byte_budget(kind: str, request: pytest.FixtureRequest) -> None:
+    kib = 1024
+    harness: Harness
+    if kind == "memory":
+        harness = MemoryHarness(MemoryStore(now=datetime.now(UTC), batch_max_bytes=250 * kib))
+    else:
+        url = request.getfixturevalue("database_url")
+        harness = PgHarness(await PgStore.open(url, "outbox", "t", batch_max_bytes=250 * kib), url)
+    try:
+        for _ in range(3):
+            await harness.add(body=b"x" * 100 * kib)
+        await harness.add(body=b"y" * 400 * kib)  # more than the whole budget on its own
+        shapes = []
+        for _ in range(4):
+            claim = await harness.store.claim(10, lease=30)
+            shapes.append(([len(m.body) // kib for m in claim.messages], claim.cut_short))
+        assert shapes == [
+            ([100, 100], True),  # a third would pass 250 KiB
+            ([100], True),  # the 400 KiB one waits behind it
+            ([400], False),  # alone, because a batch takes at least one message
+            ([], False),
+        ]
+    finally:
+        if isinstance(harness, PgHarness):
+            await harness.store.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
@@ -45,8 +46,9 @@ class Settled:
 class MemoryStore:
     """ports.Store in a dict. `now` is a settable clock; `fail_next` makes calls raise outages."""
 
-    def __init__(self, now: datetime | None = None) -> None:
+    def __init__(self, now: datetime | None = None, batch_max_bytes: int | None = None) -> None:
         self.now = now or datetime(2026, 1, 1, tzinfo=UTC)
+        self.batch_max_bytes = batch_max_bytes  # None: no byte budget
         self.rows: dict[int, Row] = {}
         self.archive: list[Settled] = []
         self.dead: list[Settled] = []
@@ -90,23 +92,36 @@ class MemoryStore:
 
     async def claim(self, limit: int, lease: float) -> model.Claim:
         self._enter("claim")
-        return self._lease(lambda r: r.claim_id is None, limit, lease)
+        return self._lease(lambda r: r.claim_id is None, limit, lease, self.batch_max_bytes)
 
     async def claim_orphans(self, limit: int, lease: float) -> model.Claim:
         self._enter("claim_orphans")
         return self._lease(lambda r: r.claim_id is not None, limit, lease)
 
-    def _lease(self, which: Callable[[Row], bool], limit: int, lease: float) -> model.Claim:
+    def _lease(
+        self, which: Callable[[Row], bool], limit: int, lease: float, budget: int | None = None
+    ) -> model.Claim:
         due = sorted(
             (r for r in self.rows.values() if which(r) and r.available_at <= self.now),
             key=lambda r: (r.available_at, r.id),
         )[:limit]
+        locked = len(due)
+        if budget is not None:  # as claim_batch: stop at the budget, but take at least one
+            running, taken = 0, list[Row]()
+            for row in due:
+                running += (
+                    len(row.body) + len(json.dumps(row.headers)) + len(json.dumps(row.properties))
+                )
+                if taken and running > budget:
+                    break
+                taken.append(row)
+            due = taken
         claim_id = uuid.uuid4()
         for row in due:
             row.attempts += 1
             row.claim_id = claim_id
             row.available_at = self.now + timedelta(seconds=lease)
-        return model.Claim(claim_id, tuple(_message(r) for r in due))
+        return model.Claim(claim_id, tuple(_message(r) for r in due), len(due) < locked)
 
     async def bury_exhausted(self, max_attempts: int) -> list[tuple[UUID, int]]:
         self._enter("bury_exhausted")

@@ -282,6 +282,21 @@ async def test_claim_ahead_only_after_a_full_batch() -> None:
     assert store.calls.count("claim") == 1
 
 
+async def test_a_batch_cut_short_by_its_byte_budget_is_followed_at_once() -> None:
+    # Fewer rows than batch_size, yet more are due: run() claims again without waiting for a
+    # notification or the (here: hour-long) poll interval.
+    store, publisher = MemoryStore(batch_max_bytes=3000), ScriptedPublisher()
+    for _ in range(10):
+        store.add(body=b"x" * 1000)
+    relay = relay_for(store, publisher, batch_size=10, poll_interval=3600.0, prefetch=True)
+    stop = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop))
+    await _until(lambda: len(store.archive) == 10)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert publisher.batches >= 5  # two messages a batch at most
+
+
 async def test_batch_claimed_ahead_is_given_back_when_the_relay_stops() -> None:
     store, publisher = MemoryStore(), ScriptedPublisher()
     rows = [store.add() for _ in range(20)]
