@@ -114,6 +114,8 @@ def _call(
     ):
         if value is not None and not isinstance(value, str):
             raise TypeError(f"{name} must be a str, not {type(value).__name__}")
+        if value is not None:
+            _storable_text(name, value)
     params = {
         "exchange": exchange,
         "routing_key": routing_key,
@@ -141,13 +143,13 @@ def encode_body(body: Body) -> tuple[bytes, str | None]:
     if isinstance(body, bytes | bytearray | memoryview):
         return bytes(body), None
     if isinstance(body, str):
-        return body.encode("utf-8"), _TEXT
+        return _utf8("body", body), _TEXT
     if isinstance(body, Mapping | list):
         try:
             text = json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:
             raise errors.InvalidMessage(f"body is not JSON-serialisable: {exc}") from None
-        return text.encode("utf-8"), _JSON
+        return _utf8("body", text), _JSON
     raise TypeError(f"body must be bytes, str, dict or list, not {type(body).__name__}")
 
 
@@ -161,10 +163,45 @@ def _mapping(name: str, value: Mapping[str, Any] | None) -> Mapping[str, Any]:
 
 def _jsonb(name: str, value: Mapping[str, Any]) -> Jsonb:
     try:
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+        text = json.dumps(value, allow_nan=False, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError) as exc:
         raise errors.InvalidMessage(f"{name} are not JSON-serialisable: {exc}") from None
+    _utf8(name, text)
+    if _has_nul(value):  # jsonb refuses \u0000
+        raise errors.InvalidMessage(f"{name} contain a NUL character: PostgreSQL cannot store it")
     return Jsonb(dict(value))
+
+
+def _has_nul(value: Any) -> bool:
+    """Whether any key or string inside `value` holds a NUL (iteratively: nesting may be deep)."""
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                return True
+        elif isinstance(item, Mapping):
+            todo.extend(item.keys())
+            todo.extend(item.values())
+        elif isinstance(item, list | tuple):
+            todo.extend(item)
+    return False
+
+
+def _storable_text(name: str, value: str) -> None:
+    """Text PostgreSQL can store: valid UTF-8 (no lone surrogates) and no NUL."""
+    if "\x00" in value:
+        raise errors.InvalidMessage(f"{name} contains a NUL character: PostgreSQL cannot store it")
+    _utf8(name, value)
+
+
+def _utf8(name: str, text: str) -> bytes:
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise errors.InvalidMessage(
+            f"{name} is not valid Unicode text (a lone surrogate cannot be encoded as UTF-8)"
+        ) from None
 
 
 @contextlib.contextmanager

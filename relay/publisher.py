@@ -19,6 +19,7 @@ import aio_pika.abc
 import aiormq
 import aiormq.abc
 import aiormq.exceptions
+import pamqp.encode
 from pamqp import commands, constants, frame, header
 
 from relay import errors, model, wire
@@ -66,6 +67,26 @@ class Encoded(NamedTuple):
 
     properties: commands.Basic.Properties
     header: bytes
+
+
+def _floats_as_doubles() -> None:
+    """Make pamqp write a float header value as a 64-bit double ('d'), not a 32-bit float ('f').
+    JSON numbers are doubles: as 'f', 0.1 arrived as 0.10000000149 and 16777217.0 as 16777216.0
+    (found by the hostile-input fuzz test). RabbitMQ and AMQP clients read 'd' as a double."""
+    original = pamqp.encode.encode_table_value
+    if getattr(original, "outbox_doubles", False):
+        return
+
+    def encode_table_value(value: Any) -> bytes:
+        if isinstance(value, float):
+            return b"d" + pamqp.encode.double(value)
+        return original(value)
+
+    encode_table_value.outbox_doubles = True  # type: ignore[attr-defined]
+    pamqp.encode.encode_table_value = encode_table_value
+
+
+_floats_as_doubles()
 
 
 def tls_context(

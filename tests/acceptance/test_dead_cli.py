@@ -92,6 +92,36 @@ def test_show_is_safe_with_binary_and_hostile_text(env: dict[str, str], database
     assert "\\x1b]0;pwned\\x07" in shown
 
 
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        "x' OR '1'='1",
+        "x'; DROP TABLE outbox.dead; --",
+        '"; DELETE FROM outbox.dead; --',
+        "%",
+        "_",
+        "\\",
+        "x) OR (true",
+    ],
+)
+def test_filters_are_data_never_sql(env: dict[str, str], database_url: str, hostile: str) -> None:
+    # Every filter goes to PostgreSQL as a bound parameter, and globs escape LIKE's own
+    # wildcards: an injection string or a stray % matches only itself.
+    bury(database_url, 2, exchange="safe", routing_key="a.b", ordering_key="k-1")
+    target = bury(database_url, 1, exchange=hostile, routing_key=hostile, ordering_key=hostile)
+    before = snapshot(database_url)
+    for option in ("--exchange", "--routing-key", "--key"):
+        listed = run_cli("dead", "list", option, hostile, "--json", env=env)
+        assert listed.returncode == 0, listed.stderr
+        assert [r["message_id"] for r in json.loads(listed.stdout)] == [str(target[0])]
+        dry = run_cli("dead", "purge", option, hostile, "--dry-run", env=env)
+        assert dry.returncode == 0, dry.stderr
+    assert snapshot(database_url) == before  # nothing dropped, deleted or changed
+    purged = run_cli("dead", "purge", "--routing-key", hostile, "--yes", env=env)
+    assert purged.returncode == 0, purged.stderr
+    assert len(rows(database_url, "SELECT 1 FROM outbox.dead")) == 2
+
+
 def test_errors_are_one_clear_line(env: dict[str, str], closed_port: int) -> None:
     missing = str(uuid.uuid4())
     assert_one_line_error(
