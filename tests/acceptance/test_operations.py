@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -200,8 +201,13 @@ def test_probes_follow_the_services(database_url: str, amqp_url: str) -> None:
             assert proc.stop() == 0
 
 
+def shown_by_ps(pid: int) -> bytes:
+    """What `ps` (the command line) and `ps e` (the environment) can show of a process."""
+    return b"".join(Path(f"/proc/{pid}/{part}").read_bytes() for part in ("cmdline", "environ"))
+
+
 async def test_logs_are_json_events_without_bodies_or_passwords(
-    database_url: str, amqp_url: str, broker: Broker
+    database_url: str, amqp_url: str, broker: Broker, tmp_path: Path
 ) -> None:
     await broker.declare(binding="ok")
     secret_db = (
@@ -213,11 +219,14 @@ async def test_logs_are_json_events_without_bodies_or_passwords(
         .geturl()
     )
     enqueue(database_url, broker.exchange, "nowhere", body=b"BODY-MARKER-7f3a")
-    env = clean_env(OUTBOX_DATABASE_URL=secret_db, OUTBOX_AMQP_URL=amqp_url)
+    secret_file = tmp_path / "database-url"  # as a Kubernetes secret would be mounted
+    secret_file.write_text(secret_db + "\n")
+    env = clean_env(OUTBOX_DATABASE_URL_FILE=str(secret_file), OUTBOX_AMQP_URL=amqp_url)
     with RelayProcess(env) as proc:
         base = endpoint(proc)
         line = proc.wait_for("dead-lettered")
         assert "sup3rsecret" not in get(base + "/readyz")[1] + get(base + "/metrics")[1]
+        assert b"sup3rsecret" not in shown_by_ps(proc.proc.pid)
         assert proc.stop() == 0
     event = json.loads(line)
     assert event["event"] == "dead_lettered"
