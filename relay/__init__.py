@@ -1,6 +1,7 @@
 """outbox-relay: a transactional outbox relay from PostgreSQL to RabbitMQ.
 
-Producers call `relay.enqueue(conn, ...)` (or `relay.enqueue_async`) inside their own transaction;
+Producers call `relay.enqueue(conn, ...)` (or `relay.enqueue_async`, or `relay.enqueue_many` for
+batches) inside their own transaction;
 `outbox-relay run` publishes what commits. The producer functions load psycopg on first use, so
 `import relay.model` stays free of drivers.
 """
@@ -12,13 +13,20 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from relay.producer import enqueue, enqueue_async
+    from relay.producer import Message, enqueue, enqueue_async, enqueue_many, enqueue_many_async
 
-__all__ = ["__version__", "enqueue", "enqueue_async"]
+__all__ = [
+    "Message",
+    "__version__",
+    "enqueue",
+    "enqueue_async",
+    "enqueue_many",
+    "enqueue_many_async",
+]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("enqueue", "enqueue_async"):
+    if name in ("Message", "enqueue", "enqueue_async", "enqueue_many", "enqueue_many_async"):
         from relay import producer
 
         return getattr(producer, name)

@@ -193,6 +193,17 @@ SELECT {schema}.enqueue(
     coalesce(%(available_at)s::timestamptz, clock_timestamp() + %(delay)s::interval),
     %(ordering_key)s::text, %(message_id)s::uuid);
 
+-- name: enqueue_many
+-- Many messages in one round trip; delays (like enqueue's) are added to the database's clock.
+SELECT id FROM {schema}.enqueue_many(
+    %(exchanges)s::text[], %(routing_keys)s::text[], %(bodies)s::bytea[], %(headers)s::jsonb[],
+    %(properties)s::jsonb[],
+    ARRAY(SELECT coalesce(a, clock_timestamp() + d)
+          FROM unnest(%(available_at)s::timestamptz[], %(delays)s::interval[])
+               WITH ORDINALITY AS t(a, d, n)
+          ORDER BY n),
+    %(ordering_keys)s::text[], %(message_ids)s::uuid[]) AS id;
+
 -- name: migration_lock
 -- One migrate at a time per schema, across processes and hosts (session-level advisory lock).
 SELECT pg_advisory_lock(hashtextextended('outbox-relay migrate ' || %(schema)s, 0));

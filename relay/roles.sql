@@ -11,7 +11,8 @@ GRANT USAGE ON SCHEMA {schema} TO {producer}, {relay}, {operator};
 -- can neither read nor change any row, its own included, once enqueued.
 GRANT EXECUTE ON FUNCTION
     {schema}.enqueue(text, text, bytea, jsonb, jsonb, timestamptz, text, uuid),
-    {schema}.enqueue_json(text, text, jsonb, jsonb, jsonb, timestamptz, text, uuid)
+    {schema}.enqueue_json(text, text, jsonb, jsonb, jsonb, timestamptz, text, uuid),
+    {schema}.enqueue_many(text[], text[], bytea[], jsonb[], jsonb[], timestamptz[], text[], uuid[])
 TO {producer};
 
 -- Relays: claim, lease, settle (archive, dead-letter, retry), release keys, prune the archive by

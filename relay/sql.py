@@ -32,6 +32,7 @@ class Queries:
     dead_by_reason: LiteralString
     listen: LiteralString
     enqueue: LiteralString
+    enqueue_many: LiteralString
     migration_lock: LiteralString
     migration_unlock: LiteralString
     create_schema: LiteralString

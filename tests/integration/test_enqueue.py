@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -32,6 +33,19 @@ def fetch(url: str, message_id: uuid.UUID) -> dict[str, Any]:
         row = cur.fetchone()
         assert row is not None, f"no row for {message_id}"
         return dict(zip([c.name for c in cur.description or ()], row, strict=True))
+
+
+def wake_ups(listener: psycopg.Connection[Any], producer: psycopg.Connection[Any]) -> list[str]:
+    """The payloads `listener` got on outbox_new so far: a sentinel NOTIFY, delivered after
+    everything committed before it, ends the wait."""
+    producer.execute("NOTIFY outbox_new, 'sentinel'")
+    producer.commit()
+    payloads = []
+    for note in listener.notifies(timeout=10):
+        if note.payload == "sentinel":
+            break
+        payloads.append(note.payload)
+    return payloads
 
 
 def test_python_enqueue_writes_in_the_callers_transaction(database_url: str) -> None:
@@ -242,14 +256,8 @@ def test_one_notification_per_transaction_none_on_rollback(database_url: str) ->
         producer.rollback()
         relay.enqueue(producer, "x", "k", b"", available_at=timedelta(hours=1))  # scheduled: silent
         producer.commit()
-        producer.execute("NOTIFY outbox_new, 'sentinel'")  # delivered after everything above
-        producer.commit()
-        payloads = []
-        for note in listener.notifies(timeout=10):
-            payloads.append(note.payload)
-            if note.payload == "sentinel":
-                break
-    assert payloads == ["", "sentinel"]
+        payloads = wake_ups(listener, producer)
+    assert payloads == [""]
 
 
 def test_a_dead_letter_is_visible_from_postgres_a_warning_and_a_notify(database_url: str) -> None:
@@ -283,3 +291,102 @@ def test_a_dead_letter_is_visible_from_postgres_a_warning_and_a_notify(database_
     assert notices == [
         f"WARNING: outbox: message {message_id} dead-lettered (unroutable): 312 NO_ROUTE"
     ]
+
+
+def test_enqueue_many_writes_in_order_in_the_callers_transaction(database_url: str) -> None:
+    batch = [relay.Message("x", f"k.{i}", f"body {i}".encode()) for i in range(500)]
+    batch[7] = relay.Message("x", "json", {"n": 7}, headers={"h": 1}, ordering_key="acct-1")
+    batch[8] = relay.Message("x", "text", "eight", available_at=timedelta(hours=1))
+    with (
+        psycopg.connect(database_url, autocommit=True) as listener,
+        psycopg.connect(database_url) as producer,
+    ):
+        listener.execute('LISTEN "outbox_new"')
+        assert len(relay.enqueue_many(producer, batch[:3])) == 3
+        assert count(database_url) == 0  # not committed yet
+        producer.rollback()
+        assert count(database_url) == 0  # rolled back: nothing
+        ids = relay.enqueue_many(producer, batch)
+        producer.commit()
+        payloads = wake_ups(listener, producer)
+    assert payloads == [""]  # one wake-up for the whole batch
+    with psycopg.connect(database_url) as conn:
+        stored = conn.execute("SELECT message_id, routing_key FROM outbox.messages ORDER BY id")
+        expected = [(i, m.routing_key) for i, m in zip(ids, batch, strict=True)]
+        assert [(m, k) for m, k in stored] == expected
+    json_row, later = fetch(database_url, ids[7]), fetch(database_url, ids[8])
+    assert (json_row["body"], json_row["headers"], json_row["ordering_key"]) == (
+        b'{"n":7}',
+        {"h": 1},
+        "acct-1",
+    )
+    assert json_row["properties"]["content_type"] == "application/json"
+    assert later["properties"]["content_type"] == "text/plain; charset=utf-8"
+    assert later["available_at"] > later["created_at"] + timedelta(minutes=59)
+
+
+async def test_enqueue_many_async(database_url: str) -> None:
+    async with await psycopg.AsyncConnection.connect(database_url) as conn:
+        ids = await relay.enqueue_many_async(conn, [relay.Message("x", "a", b"1")] * 3)
+        assert await relay.enqueue_many_async(conn, []) == []
+        await conn.commit()
+    assert len(set(ids)) == 3
+    assert count(database_url) == 3
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "fragment"),
+    [
+        (relay.Message("x", "k" * 300, b""), errors.InvalidMessage, "message 3 of 4: enqueue: "),
+        (
+            relay.Message("x", "k", b"", headers={"a": float("nan")}),
+            errors.InvalidMessage,
+            "message 3 of 4: headers are not JSON",
+        ),
+        (
+            relay.Message("x", "k", b"", message_id=uuid.UUID(int=1)),
+            errors.DuplicateMessage,
+            "message 3 of 4: enqueue: message_id",
+        ),
+    ],
+)
+def test_enqueue_many_names_the_bad_message_and_writes_nothing(
+    database_url: str, bad: relay.Message, error: type[Exception], fragment: str
+) -> None:
+    first = relay.Message("x", "k", b"", message_id=uuid.UUID(int=1))
+    with psycopg.connect(database_url) as conn:
+        with pytest.raises(error, match=re.escape(fragment)):
+            relay.enqueue_many(
+                conn, [first, relay.Message("x", "k", b""), bad, relay.Message("x", "k", b"")]
+            )
+        conn.rollback()
+    assert count(database_url) == 0
+
+
+def test_sql_enqueue_many_checks_its_arrays(database_url: str) -> None:
+    with psycopg.connect(database_url) as conn:
+        ids = conn.execute(
+            "SELECT * FROM outbox.enqueue_many(ARRAY['x', 'x'], ARRAY['a', 'b'],"
+            " ARRAY['1', '2']::bytea[], ordering_keys => ARRAY[NULL, 'k'])"
+        ).fetchall()
+        conn.commit()
+        assert len(ids) == 2
+        with pytest.raises(psycopg.errors.InvalidParameterValue, match="one entry per message"):
+            conn.execute(
+                "SELECT outbox.enqueue_many(ARRAY['x'], ARRAY['a', 'b'], ARRAY[''::bytea])"
+            )
+    assert count(database_url) == 2
+
+
+def test_many_enqueues_in_one_transaction_open_no_subtransactions(database_url: str) -> None:
+    # Each subtransaction that writes gets an id of its own (the rows' xmin); past 64 in one
+    # transaction PostgreSQL's snapshots overflow to pg_subtrans for every session. 200 single
+    # enqueues and a batch of 200 use at most the transaction's id and one for the batch.
+    with psycopg.connect(database_url) as conn:
+        for _ in range(200):
+            relay.enqueue(conn, "x", "k", b"")
+        relay.enqueue_many(conn, [relay.Message("x", "k", b"")] * 200)
+        row = conn.execute("SELECT count(DISTINCT xmin::text) FROM outbox.messages").fetchone()
+        conn.commit()
+    assert row is not None
+    assert row[0] <= 2

@@ -103,7 +103,9 @@ def test_producer_can_enqueue_and_nothing_else(secured: Secured) -> None:
         relay.enqueue(conn, "x", "a.b", b"two", ordering_key="k", schema=s.schema)
         relay.enqueue(conn, "x", "a.b", b"three", ordering_key="k", schema=s.schema)
         conn.execute(f"SELECT \"{s.schema}\".enqueue_json('x', 'a.b', '{{}}')".encode())
-    assert count(s, "messages") == 4
+        batch = [relay.Message("x", "a.b", b"5"), relay.Message("x", "a.b", b"6", ordering_key="k")]
+        relay.enqueue_many(conn, batch, schema=s.schema)
+    assert count(s, "messages") == 6
     q = f'"{s.schema}"'
     for statement in (
         f"SELECT * FROM {q}.messages",
