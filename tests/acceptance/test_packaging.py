@@ -1,0 +1,81 @@
+"""The wheel: built here, installed into a fresh virtualenv, and run from outside the source tree,
+so `pip install outbox-relay && outbox-relay migrate` needs nothing but the wheel."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import tempfile
+import venv
+import zipfile
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from tests.support.amqp import Broker
+from tests.support.processes import clean_env
+
+ROOT = Path(__file__).resolve().parents[2]
+Completed = subprocess.CompletedProcess[str]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(ROOT)],
+        check=True,
+        timeout=300,
+    )
+    (built,) = out.glob("outbox_relay-*.whl")
+    return built
+
+
+def test_the_wheel_carries_migrations_queries_and_type_hints(wheel: Path) -> None:
+    names = set(zipfile.ZipFile(wheel).namelist())
+    migrations = sorted(p.name for p in (ROOT / "sql").glob("*.sql"))
+    assert {f"relay/migrations/{m}" for m in migrations} <= names
+    assert {"relay/queries.sql", "relay/roles.sql", "relay/py.typed"} <= names
+    assert not any(n.startswith("tests/") for n in names)
+
+
+@pytest.fixture(scope="module")
+def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`outbox-relay` of a fresh virtualenv holding the wheel and its dependencies only."""
+    home = tmp_path_factory.mktemp("venv")
+    venv.create(home, with_pip=True)
+    pip = [str(home / "bin" / "python"), "-m", "pip", "install", "--quiet", str(wheel)]
+    subprocess.run(pip, check=True, timeout=600)
+    return home / "bin" / "outbox-relay"
+
+
+def outbox_relay(command: Path, env: dict[str, str], *args: str) -> Completed:
+    """Run the installed command from an empty folder: nothing of the source tree can be found."""
+    with tempfile.TemporaryDirectory() as empty:
+        return subprocess.run(
+            [str(command), *args],
+            cwd=empty,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+
+
+async def test_installed_wheel_migrates_and_relays(
+    installed: Path, empty_database_url: str, amqp_url: str, broker: Broker
+) -> None:
+    env = clean_env(OUTBOX_DATABASE_URL=empty_database_url, OUTBOX_AMQP_URL=amqp_url)
+    env.pop("PYTHONPATH", None)
+    migrated = await asyncio.to_thread(outbox_relay, installed, env, "migrate")
+    assert migrated.returncode == 0, migrated.stderr
+    assert "0001_tables" in migrated.stdout
+    await broker.declare(binding="wheel.#")
+    with psycopg.connect(empty_database_url) as conn:
+        conn.execute("SELECT outbox.enqueue(%s, 'wheel.ok', 'from the wheel')", [broker.exchange])
+    ran = await asyncio.to_thread(outbox_relay, installed, env, "run", "--until-empty")
+    assert ran.returncode == 0, ran.stderr
+    assert [m.body for m in await broker.collect(1)] == [b"from the wheel"]
