@@ -14,7 +14,7 @@ import psycopg
 import psycopg.errors
 from psycopg.types.json import Jsonb
 
-from relay import errors, sql
+from relay import errors, joins, sql
 
 #: What a body may be: bytes are sent as they are, a dict or list as JSON, a str as UTF-8 text.
 Body = bytes | bytearray | memoryview | str | Mapping[str, Any] | list[Any]
@@ -24,7 +24,7 @@ _TEXT = "text/plain; charset=utf-8"
 
 
 def enqueue(
-    conn: psycopg.Connection[Any],
+    conn: psycopg.Connection[Any] | Any,
     exchange: str,
     routing_key: str,
     body: Body,
@@ -38,6 +38,8 @@ def enqueue(
 ) -> UUID:
     """Queue one message in `conn`'s current transaction and return its message_id.
 
+    `conn` is a psycopg Connection, or a SQLAlchemy Session or Connection on the psycopg 3 driver
+    (`postgresql+psycopg://`), whose transaction the message joins, on the same connection.
     The message exists if and only if that transaction commits; this function never commits.
     `available_at` is a tz-aware time or a delay from now (by the database's clock).
     Raises InvalidMessage (or DuplicateMessage) for bad arguments, after which the transaction is
@@ -55,13 +57,13 @@ def enqueue(
         message_id,
     )
     with _translate(schema):
-        row = conn.execute(query, params).fetchone()
+        row = joins.sync_connection(conn).execute(query, params).fetchone()
     assert row is not None  # a SELECT of one function call returns one row
     return UUID(str(row[0]))
 
 
 async def enqueue_async(
-    conn: psycopg.AsyncConnection[Any],
+    conn: psycopg.AsyncConnection[Any] | Any,
     exchange: str,
     routing_key: str,
     body: Body,
@@ -85,8 +87,9 @@ async def enqueue_async(
         ordering_key,
         message_id,
     )
+    driver = await joins.async_connection(conn)
     with _translate(schema):
-        cur = await conn.execute(query, params)
+        cur = await driver.execute(query, params)
         row = await cur.fetchone()
     assert row is not None
     return UUID(str(row[0]))
@@ -107,7 +110,7 @@ class Message:
 
 
 def enqueue_many(
-    conn: psycopg.Connection[Any], messages: Iterable[Message], *, schema: str = "outbox"
+    conn: psycopg.Connection[Any] | Any, messages: Iterable[Message], *, schema: str = "outbox"
 ) -> list[UUID]:
     """Queue many messages in `conn`'s current transaction with one round trip and return their
     message_ids, in order. Each is checked as `enqueue` checks it; the first bad one raises
@@ -117,19 +120,23 @@ def enqueue_many(
     if not params["bodies"]:
         return []
     with _translate(schema):
-        rows = conn.execute(query, params).fetchall()
+        rows = joins.sync_connection(conn).execute(query, params).fetchall()
     return [UUID(str(row[0])) for row in rows]
 
 
 async def enqueue_many_async(
-    conn: psycopg.AsyncConnection[Any], messages: Iterable[Message], *, schema: str = "outbox"
+    conn: psycopg.AsyncConnection[Any] | Any,
+    messages: Iterable[Message],
+    *,
+    schema: str = "outbox",
 ) -> list[UUID]:
     """`enqueue_many` for an AsyncConnection: same arguments, same guarantees, same errors."""
     query, params = _many(schema, messages)
     if not params["bodies"]:
         return []
+    driver = await joins.async_connection(conn)
     with _translate(schema):
-        cur = await conn.execute(query, params)
+        cur = await driver.execute(query, params)
         rows = await cur.fetchall()
     return [UUID(str(row[0])) for row in rows]
 
