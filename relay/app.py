@@ -16,7 +16,18 @@ from urllib.parse import urlsplit
 
 import tenacity
 
-from relay import __version__, config, errors, eventloop, loop, metrics, migrate, model, retry
+from relay import (
+    __version__,
+    config,
+    errors,
+    eventloop,
+    loop,
+    metrics,
+    migrate,
+    model,
+    retry,
+    tracing,
+)
 from relay.admin import Admin
 from relay.listener import Listener
 from relay.probes import Probes
@@ -130,7 +141,13 @@ async def components(
         wake = asyncio.Event()
         listener = Listener(database_url, settings.db_schema, wake)
         counters = counters or metrics.Metrics()
-        relay = loop.Relay(store, publisher, options(settings), wake=wake, on_cycle=counters.record)
+        relay = loop.Relay(
+            store,
+            tracing.traced(publisher),
+            options(settings),
+            wake=wake,
+            on_cycle=counters.record,
+        )
         background = [asyncio.create_task(listener.run(), name="outbox-listener")]
         try:
             yield Components(settings, store, publisher, listener, relay, counters)

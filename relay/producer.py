@@ -14,7 +14,7 @@ import psycopg
 import psycopg.errors
 from psycopg.types.json import Jsonb
 
-from relay import errors, joins, sql
+from relay import errors, joins, sql, tracing
 
 #: What a body may be: bytes are sent as they are, a dict or list as JSON, a str as UTF-8 text.
 Body = bytes | bytearray | memoryview | str | Mapping[str, Any] | list[Any]
@@ -42,6 +42,8 @@ def enqueue(
     (`postgresql+psycopg://`), whose transaction the message joins, on the same connection.
     The message exists if and only if that transaction commits; this function never commits.
     `available_at` is a tz-aware time or a delay from now (by the database's clock).
+    With OpenTelemetry installed and a span active, its trace context (W3C `traceparent`,
+    `tracestate`) is stored in the headers, so the consumer's span continues this trace.
     Raises InvalidMessage (or DuplicateMessage) for bad arguments, after which the transaction is
     aborted as after any SQL error; SchemaMissing if `outbox-relay migrate` has not run.
     """
@@ -216,7 +218,7 @@ def _call(
         "exchange": exchange,
         "routing_key": routing_key,
         "body": payload,
-        "headers": _jsonb("headers", _mapping("headers", headers)),
+        "headers": _jsonb("headers", tracing.with_trace_context(_mapping("headers", headers))),
         "properties": _jsonb("properties", props),
         "available_at": None,
         "delay": None,
