@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 
 def clean_env(**settings: str) -> dict[str, str]:
@@ -53,13 +53,14 @@ def assert_one_line_error(
 
 
 class RelayProcess:
-    """`outbox-relay run` in the background. `wait_for(text)` waits on its output, not on time."""
+    """`outbox-relay run` in the background. `wait_for(text)` waits on its output, not on time.
+    `launcher` goes before the command (e.g. a wrapper such as `opentelemetry-instrument`)."""
 
-    def __init__(self, env: Mapping[str, str], *args: str) -> None:
+    def __init__(self, env: Mapping[str, str], *args: str, launcher: Sequence[str] = ()) -> None:
         self.lines: list[str] = []
         self._changed = threading.Condition()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "relay", "run", *args],
+            [*launcher, sys.executable, "-m", "relay", "run", *args],
             env=dict(env),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
