@@ -39,6 +39,13 @@ def test_the_wheel_carries_migrations_queries_and_type_hints(wheel: Path) -> Non
     assert {f"relay/migrations/{m}" for m in migrations} <= names
     assert {"relay/queries.sql", "relay/roles.sql", "relay/py.typed"} <= names
     assert not any(n.startswith("tests/") for n in names)
+    (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+    extras = {
+        line.split(":", 1)[1].strip()
+        for line in zipfile.ZipFile(wheel).read(metadata).decode().splitlines()
+        if line.startswith("Provides-Extra:")
+    }
+    assert {"sqlalchemy", "otel", "spark"} <= extras
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +70,16 @@ def outbox_relay(command: Path, env: dict[str, str], *args: str) -> Completed:
             timeout=120,
             check=False,
         )
+
+
+def test_the_installed_wheel_leaves_the_extras_out(installed: Path) -> None:
+    """So the test below shows the relay migrating and running without any of them."""
+    python = str(installed.parent / "python")
+    for optional in ("opentelemetry", "sqlalchemy", "pyspark"):
+        probe = subprocess.run(
+            [python, "-c", f"import {optional}"], capture_output=True, check=False
+        )
+        assert probe.returncode != 0, f"{optional} is installed without its extra"
 
 
 async def test_installed_wheel_migrates_and_relays(
