@@ -11,6 +11,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import kubernetes_validate
 import promql_parser
@@ -154,14 +155,61 @@ def test_deployment_is_wired_for_probes_scraping_and_graceful_stops() -> None:
     assert container["resources"]["requests"]
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9464"
     settings = docs["ConfigMap"]["data"]
-    secret = docs["Secret"]["stringData"]
     known = {config.env_name(f) for f in config.Settings.model_fields}
-    assert set(settings) | set(secret) <= known
-    assert {"OUTBOX_DATABASE_URL", "OUTBOX_AMQP_URL"} <= set(secret)  # secrets stay in Secrets
+    assert set(settings) <= known
+    assert not {"OUTBOX_DATABASE_URL", "OUTBOX_AMQP_URL"} & set(settings)  # secrets stay secret
     grace = config.parse_duration(settings["OUTBOX_SHUTDOWN_TIMEOUT"])
     assert pod["spec"]["terminationGracePeriodSeconds"] > grace
-    assert docs["Job"]["spec"]["template"]["spec"]["containers"][0]["args"] == ["migrate"]
+    job = docs["Job"]["spec"]["template"]["spec"]
+    assert [c["args"] for c in [*job["initContainers"], *job["containers"]]] == [
+        ["migrate"],
+        ["roles"],
+    ]
     assert docs["PodDisruptionBudget"]["spec"]["minAvailable"] >= 1
+
+
+def secret_files() -> dict[str, dict[str, str]]:
+    """For each container (by name) of every pod in the manifests: the OUTBOX_*_FILE variables
+    it sets, resolved to the Secret value the mounted file would hold."""
+    docs = [*yaml_docs(MANIFESTS), *yaml_docs(PIPELINE)]
+    secrets = {d["metadata"]["name"]: d["stringData"] for d in docs if d["kind"] == "Secret"}
+    pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in {"Job", "Deployment"}]
+    pods += [
+        d["spec"]["jobTemplate"]["spec"]["template"]["spec"] for d in docs if d["kind"] == "CronJob"
+    ]
+    found: dict[str, dict[str, str]] = {}
+    for pod in pods:
+        volumes = {v["name"]: v["secret"] for v in pod.get("volumes", []) if "secret" in v}
+        for container in [*pod.get("initContainers", []), *pod["containers"]]:
+            assert "valueFrom" not in str(container.get("env")), "a URL in the environment"
+            assert "secretRef" not in str(container.get("envFrom")), "a URL in the environment"
+            mounts = {
+                m["mountPath"]: secrets[volumes[m["name"]]["secretName"]]
+                for m in container.get("volumeMounts", [])
+                if m["name"] in volumes
+            }
+            files = {}
+            for variable in container.get("env", []):
+                if variable["name"].endswith("_URL_FILE"):
+                    folder, _, key = variable["value"].rpartition("/")
+                    assert key in mounts.get(folder, {}), f"{variable} names no mounted key"
+                    files[variable["name"]] = mounts[folder][key]
+            found[container["name"]] = files
+    for volume in [v for pod in pods for v in pod.get("volumes", []) if "secret" in v]:
+        assert volume["secret"]["defaultMode"] & 0o007 == 0  # not world-readable
+    return found
+
+
+def test_urls_reach_each_container_as_files_from_the_right_secret() -> None:
+    files = secret_files()
+    owner = files["migrate"]["OUTBOX_DATABASE_URL_FILE"]
+    assert files["roles"] == {"OUTBOX_DATABASE_URL_FILE": owner}
+    assert files["pipeline"] == {"OUTBOX_DATABASE_URL_FILE": owner}
+    relay_urls = files["relay"]
+    assert set(relay_urls) == {"OUTBOX_DATABASE_URL_FILE", "OUTBOX_AMQP_URL_FILE"}
+    # The relays log in as a user of their own (granted outbox_relay), not as the owner.
+    assert urlsplit(relay_urls["OUTBOX_DATABASE_URL_FILE"]).username != urlsplit(owner).username
+    assert urlsplit(relay_urls["OUTBOX_AMQP_URL_FILE"]).scheme == "amqps"
 
 
 def test_the_pipeline_cronjob_runs_the_pipeline_with_known_settings() -> None:
@@ -170,6 +218,7 @@ def test_the_pipeline_cronjob_runs_the_pipeline_with_known_settings() -> None:
     (container,) = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"]
     assert container["args"][0] == "all"
     known = {config.env_name(f) for f in config.PipelineSettings.model_fields}
+    known |= {f"{config.env_name(f)}_FILE" for f in config.SECRETS}
     assert {e["name"] for e in container["env"]} <= known
     dockerfile = (DEPLOY / "docker" / "Dockerfile.pipeline").read_text(encoding="utf-8")
     assert "libpostgresql-jdbc-java" in dockerfile
