@@ -38,7 +38,7 @@ async def test_a_faststream_handler_applies_a_redelivered_message_once(
         await conn.commit()
     async with app.components(settings_for(database_url, amqp_url)) as parts:
         await parts.relay.run_until_empty()
-    (first,) = await broker_copy(amqp_url, broker)  # what the relay sent, twice in the queue
+    first = await broker_copy(amqp_url, broker)  # what the relay sent, twice in the queue
 
     handled: list[tuple[bool, Any, int]] = []
     both = asyncio.Event()
@@ -69,7 +69,7 @@ async def test_a_faststream_handler_applies_a_redelivered_message_once(
     assert await query(database_url, "SELECT amount FROM balance") == [(10,)]
 
 
-async def broker_copy(amqp_url: str, broker: Broker) -> list[str]:
+async def broker_copy(amqp_url: str, broker: Broker) -> str:
     """Re-publish a copy of the message waiting in the test's queue (a redelivery stand-in),
     leaving the original in place; returns its message_id."""
     async with await aio_pika.connect(amqp_url) as connection:
@@ -85,4 +85,4 @@ async def broker_copy(amqp_url: str, broker: Broker) -> list[str]:
         )
         await channel.default_exchange.publish(copy, routing_key=broker.queue)
         await message.nack(requeue=True)
-        return [str(message.message_id)]
+        return str(message.message_id)
