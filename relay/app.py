@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import logging
 import signal
 import ssl
@@ -18,6 +19,7 @@ import tenacity
 
 from relay import (
     __version__,
+    chores,
     config,
     errors,
     eventloop,
@@ -34,7 +36,7 @@ from relay.probes import Probes
 from relay.publisher import AmqpPublisher, tls_context
 from relay.retention import Pruner
 from relay.store import PgStore
-from relay.watch import Watcher
+from relay.watch import READINESS_INTERVAL, Watcher
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -65,6 +67,8 @@ class Components:
     listener: Listener
     relay: loop.Relay
     metrics: metrics.Metrics
+    #: The supervised background chores running beside the loop (liveness watches them).
+    chores: list[chores.Chore] = dataclasses.field(default_factory=list)
 
 
 class StoppedWhileStarting(Exception):
@@ -147,10 +151,15 @@ async def components(
             options(settings),
             wake=wake,
             on_cycle=counters.record,
+            on_chore_error=counters.chore_failed,
         )
-        background = [asyncio.create_task(listener.run(), name="outbox-listener")]
+        # The listener reconnects by itself; a chore only so that a bug cannot end it silently.
+        listening = chores.Chore("listener", listener.run, 1.0, on_error=counters.chore_failed)
+        background = [asyncio.create_task(listening.run(), name="outbox-listener")]
         try:
-            yield Components(settings, store, publisher, listener, relay, counters)
+            yield Components(
+                settings, store, publisher, listener, relay, counters, [listening, relay.heartbeat]
+            )
         finally:
             for task in background:
                 task.cancel()
@@ -166,14 +175,21 @@ class _Process:
     def __init__(self) -> None:
         self.work: asyncio.Task[None] | None = None
         self.watcher: Watcher | None = None
+        self.chores: list[chores.Chore] = []
 
     def cancel(self) -> None:
         if self.work is not None:
             self.work.cancel()
 
     def live(self) -> tuple[bool, str]:
+        """Alive unless the loop or a chore is stuck (a hung call a restart would end). A chore
+        that fails is not: it logs, is counted, and runs again; restarting would not help."""
         if self.watcher is None:
             return True, "starting"
+        for chore in self.chores:
+            stuck = chore.stuck()
+            if stuck is not None:
+                return False, f"the {chore.name} chore has been stuck in one run for {stuck:.0f}s"
         verdict = self.watcher.liveness()
         return verdict.ok, verdict.detail
 
@@ -206,10 +222,12 @@ async def run(
         with _signals_set(stop, process.cancel):
             async with components(settings, stop, counters) as parts:
                 process.watcher = _watcher(settings, parts)
-                chores = [asyncio.create_task(process.watcher.run(), name="outbox-watcher")]
-                if settings.archive_retention > 0:
-                    pruner = _pruner(settings, parts.metrics)
-                    chores.append(asyncio.create_task(pruner.run(), name="outbox-pruner"))
+                process.chores = [*_chores(settings, parts, process.watcher), *parts.chores]
+                supervised = [
+                    asyncio.create_task(chore.run(), name=f"outbox-{chore.name}")
+                    for chore in process.chores
+                    if chore not in parts.chores  # those run already
+                ]
                 try:
                     log.info(
                         "relay %s ready: schema=%s batch_size=%d lease=%gs loop=%s",
@@ -224,9 +242,9 @@ async def run(
                     process.work = asyncio.create_task(parts.relay.run(stop), name="outbox-relay")
                     await _until_stopped(process.work, stop, settings.shutdown_timeout)
                 finally:
-                    for chore in chores:
-                        chore.cancel()
-                    await asyncio.gather(*chores, return_exceptions=True)
+                    for task in supervised:
+                        task.cancel()
+                    await asyncio.gather(*supervised, return_exceptions=True)
     except StoppedWhileStarting:
         log.info("stopped before it was ready: nothing was claimed")
     finally:
@@ -234,17 +252,85 @@ async def run(
     return None
 
 
+#: A metrics port in use (another replica on this host) moves to one of the next ones.
+PORT_TRIES = 10
+
+
 def _listen(probes: Probes, settings: config.Settings) -> None:
-    try:
-        port = probes.start(settings.metrics_host, settings.metrics_port)
-    except OSError as exc:
-        raise errors.ConfigError(
-            f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: "
-            f"{exc.strerror or exc}; set OUTBOX_METRICS_PORT"
-        ) from None
-    log.info(
-        "metrics and probes on http://%s:%d/metrics (/livez, /readyz)", settings.metrics_host, port
+    """Serve /metrics, /livez and /readyz. A port in use (a second replica on the same host with
+    the same settings) never stops a relay from relaying: it takes the next free one of
+    PORT_TRIES, or, if all are taken, runs without them, and says so in one line. Any other
+    failure to listen is a setting to fix (ConfigError)."""
+    host, port = settings.metrics_host, settings.metrics_port
+    tries = [port] if port == 0 else [p for p in range(port, port + PORT_TRIES) if p <= 65535]
+    for candidate in tries:
+        try:
+            bound = probes.start(host, candidate)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                continue
+            raise errors.ConfigError(
+                f"cannot serve metrics on {host}:{candidate}: {exc.strerror or exc}; "
+                "set OUTBOX_METRICS_HOST or OUTBOX_METRICS_PORT"
+            ) from None
+        where = f"metrics and probes on http://{host}:{bound}/metrics (/livez, /readyz)"
+        if candidate == tries[0]:
+            log.info("%s", where)
+        else:
+            log.warning(
+                "metrics port %d is in use (another replica on this host?): %s", port, where
+            )
+        return
+    log.error(
+        "metrics ports %d to %d are all in use: relaying without /metrics, /livez and /readyz; "
+        "give each replica its own OUTBOX_METRICS_PORT",
+        tries[0],
+        tries[-1],
     )
+
+
+def _chores(settings: config.Settings, parts: Components, watcher: Watcher) -> list[chores.Chore]:
+    """The chores beside the loop: gauges and readiness, archive retention, key retention."""
+    failed = parts.metrics.chore_failed
+    found = [
+        chores.Chore(
+            "watcher",
+            watcher.run_once,
+            READINESS_INTERVAL,
+            stall_after=max(60.0, settings.stats_interval * 4),
+            on_error=failed,
+        )
+    ]
+    if settings.archive_retention > 0:
+        pruner = _pruner(settings, parts.metrics)
+        found.append(
+            chores.Chore(
+                "pruner", pruner.run_once, settings.archive_prune_interval, on_error=failed
+            )
+        )
+    if settings.key_retention > 0:
+
+        async def forget() -> None:
+            await _forget_keys(parts.store, settings.key_retention, parts.metrics)
+
+        found.append(chores.Chore("keys", forget, KEY_CHECK_INTERVAL, on_error=failed))
+    return found
+
+
+#: How often a relay looks for ordering keys to forget (OUTBOX_KEY_RETENTION).
+KEY_CHECK_INTERVAL = 3600.0
+
+
+async def _forget_keys(store: PgStore, retention: float, counters: metrics.Metrics) -> None:
+    """One pass over the keys; an outage only postpones it to the next."""
+    try:
+        forgotten = await store.forget_idle_keys(retention)
+    except errors.TransientError as exc:
+        log.warning("could not look for idle ordering keys: %s", exc)
+        return
+    counters.keys_forgotten.inc(forgotten)
+    if forgotten:
+        log.info("forgot %d ordering keys unused for %s", forgotten, timedelta(seconds=retention))
 
 
 def _watcher(settings: config.Settings, parts: Components) -> Watcher:

@@ -42,6 +42,7 @@ RELAY_KNOBS = (
     "xmin_warning",
     "archive_retention",
     "archive_prune_interval",
+    "key_retention",
 )
 
 

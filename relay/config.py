@@ -19,6 +19,11 @@ from relay import errors
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,58}")
 _DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*")
 _URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)\S*@")
+#: libpq's key/value form (`password=…`, quoted or not) and a URL's `password=` parameter; also
+#: `sslpassword`, the client key's passphrase.
+_KEYWORD_PASSWORD = re.compile(
+    r"(\b(?:ssl)?password\s*=\s*)(?:'(?:[^'\\]|\\.)*'|[^\s&'#]+)", re.IGNORECASE
+)
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 
 
@@ -54,8 +59,9 @@ def redact_url(url: str) -> str:
 
 
 def redact_secrets(text: str) -> str:
-    """`text` with the password of every URL in it replaced by `***`."""
-    return _URL_PASSWORD.sub(r"\1***@", text)
+    """`text` with every password in it replaced by `***`: a URL's (`scheme://user:pw@`, or its
+    `?password=` parameter) and libpq's key/value form (`password=pw`, `password = 'p w'`)."""
+    return _KEYWORD_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", text))
 
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
@@ -205,9 +211,10 @@ class Settings(_Database):
     )
     synchronous_commit: bool = Field(
         False,
-        description="Whether the relay's own transactions (claims, settles) wait for the WAL "
-        "flush. Off by default: losing one in a database crash only makes the relay send again "
-        "what the broker already confirmed; no message is lost (README, Performance).",
+        description="Whether the relay's settles wait for the WAL flush (its claims always "
+        "do). Off by default: losing a settle in a database crash only makes the relay send "
+        "again what the broker already confirmed, under a new, counted claim; no message is "
+        "lost (README, Performance).",
     )
     metrics_host: str = Field(
         "0.0.0.0",  # noqa: S104  # scraped from other hosts by default; narrow it with this setting
@@ -240,6 +247,13 @@ class Settings(_Database):
     )
     archive_prune_interval: Duration = Field(
         3600.0, gt=0, description="How often the relay prunes the archive (seconds)."
+    )
+    key_retention: Duration = Field(
+        2592000.0,
+        ge=0,
+        description="An ordering key nobody has used for this long, with no message waiting and "
+        "no block, is forgotten, checked hourly; if used again its numbering restarts at 1 "
+        "(seconds; default 30 days; 0 keeps every key forever).",
     )
 
     @field_validator("amqp_url")

@@ -95,10 +95,11 @@ def _message_id(message: Delivered | UUID | str) -> UUID:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Problem:
-    """An ordering key's message that did not come next: a gap (some skipped) or a reorder."""
+    """An ordering key's message that did not come next: a gap (some skipped), a reorder, or a
+    restart (number 1 again: the outbox forgot the key after OUTBOX_KEY_RETENTION unused)."""
 
     key: str
-    kind: str  # "gap" or "reorder"
+    kind: str  # "gap", "reorder" or "restart"
     expected: int
     got: int
 
@@ -110,7 +111,9 @@ class SequenceChecker:
     """Follows the `x-outbox-sequence` of each ordering key as messages arrive (in one process)
     and reports what did not come next. A repeat of the last sequence is a redelivery, not a
     problem; a lower one is a reorder; a higher one than next is a gap (a message still to come
-    late, dead-lettered under the `skip` policy, or lost before it reached this queue)."""
+    late, dead-lettered under the `skip` policy, or lost before it reached this queue). Number 1
+    after a higher one is a restart: a key unused for OUTBOX_KEY_RETENTION is forgotten and numbered
+    from 1 again; it is reported (kind "restart") and followed from there."""
 
     def __init__(self) -> None:
         self._last: dict[str, int] = {}
@@ -128,6 +131,9 @@ class SequenceChecker:
             return None
         if seq == last:
             return None
+        if seq == 1:
+            self._last[key] = seq
+            return Problem(key, "restart", last + 1, seq)
         if seq < last:
             return Problem(key, "reorder", last + 1, seq)
         self._last[key] = seq

@@ -13,7 +13,7 @@ from uuid import UUID
 
 import tenacity
 
-from relay import errors, logs, model, ports, retry
+from relay import chores, errors, leases, logs, model, ports, retry
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class Options:
 
     @property
     def heartbeat(self) -> float:
-        """How often a batch in flight renews its lease: three chances before it runs out."""
+        """How often the relay renews what it holds: three chances before a lease runs out."""
         return self.lease / 3
 
 
@@ -67,6 +67,11 @@ def plan(
                 dead.append(_dead(message, model.DeadReason.INVALID, result))
             case Outcome.REJECTED:
                 dead.append(_dead(message, result.reason or model.DeadReason.REJECTED, result))
+            case Outcome.UNSENT:
+                # Never written: give it back untried, at once, for whoever holds it now.
+                retries.append(
+                    model.Retry(message.id, 0.0, result.detail, refund=True, why="released")
+                )
             case Outcome.AMBIGUOUS if message.ambiguous < options.max_ambiguous:
                 # It may have arrived: send it again soon, without spending one of its attempts
                 # (at once if this relay is stopping, so another replica takes it).
@@ -115,7 +120,11 @@ def _exhausted(message: model.OutboxMessage) -> model.DeadLetter:
 
 
 class Relay:
-    """One relay's loop. `run_once()` is a single cycle; `run()` cycles until told to stop."""
+    """One relay's loop. `run_once()` is a single cycle; `run()` cycles until told to stop.
+
+    Everything it holds is in `leases` (a lease keeper), renewed every third of a lease while
+    `run()` or `run_until_empty()` is going; tests that call `run_once()` directly renew by
+    calling `leases.run_once()`. A claim is published only while its hold is trusted."""
 
     def __init__(
         self,
@@ -125,17 +134,28 @@ class Relay:
         *,
         wake: asyncio.Event | None = None,
         on_cycle: Callable[[model.CycleReport], None] | None = None,
+        on_chore_error: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store = store
         self._publisher = publisher
         self._options = options
+        self._clock = clock
         self.wake = wake or asyncio.Event()
         self._on_cycle = on_cycle
         self._stopping = asyncio.Event()  # claim nothing more; give back what is not yet sent
         self._abort = asyncio.Event()  # the shutdown grace is over: stop waiting for confirms
         self._next_orphan_check = 0.0
-        self._held: dict[UUID, list[int]] = {}  # the claims in flight here: the heartbeat's
         self._prefetched: asyncio.Future[tuple[model.Claim, float]] | None = None
+        self.leases = leases.Keeper(store, options.lease, clock)
+        #: The keeper's heartbeat, as a supervised chore (the composition root watches it).
+        self.heartbeat = chores.Chore(
+            "leases",
+            self.leases.run_once,
+            options.heartbeat,
+            stall_after=options.lease * 3,
+            on_error=on_chore_error,
+        )
         self.last_progress = (
             time.monotonic()
         )  # for /livez: the loop is cycling, or waiting on purpose
@@ -150,17 +170,27 @@ class Relay:
         _log_outage(state)
 
     async def run_once(self) -> model.CycleReport:
-        """One cycle: bury orphans that used up their attempts, publish a batch of due rows, then
-        the orphans one at a time (a row that kills its relay must not take a batch with it).
-        Raises errors.TransientError if a service is down before anything was claimed; once rows
-        are claimed, it settles them before returning."""
-        await self._publisher.connect()  # never lease rows we could not publish
+        """One cycle: publish a batch of due rows, then (twice a lease) bury orphans that used up
+        their attempts and take the others one at a time (a row that kills its relay must not
+        take a batch with it), then release keyed rows a producer's commit left to the relays.
+        Raises errors.TransientError if a service is down before anything was claimed (giving
+        back the batch claimed ahead first: another replica may have a broker); once rows are
+        claimed, it settles them before returning."""
+        try:
+            await self._publisher.connect()  # never lease rows we could not publish
+        except errors.TransientError:
+            await self.drop_prefetched()
+            raise
         if self._publisher.blocked:
             await self.drop_prefetched()
             return model.CycleReport(blocked=True)
         report = await self._work(*await self._claim())
-        if time.monotonic() >= self._next_orphan_check:
+        if self._clock() >= self._next_orphan_check:
             report = report.combine(await self._orphans())
+        released = await self._store.release_stranded()
+        if released:
+            freed = model.CycleReport(settled=model.SettleCounts(released=released))
+            report = report.combine(freed)
         if self._on_cycle is not None:
             self._on_cycle(report)
         return report
@@ -176,47 +206,57 @@ class Relay:
         return await self._claim_now()
 
     async def _claim_now(self) -> tuple[model.Claim, float]:
-        return await _timed(self._store.claim(self._options.batch_size, self._options.lease))
+        return await self._held(self._store.claim(self._options.batch_size, self._options.lease))
 
-    async def _claim_ahead(self) -> tuple[model.Claim, float]:
-        claim, seconds = await self._claim_now()
-        if claim.messages:
-            self._held[claim.claim_id] = [m.id for m in claim.messages]
+    async def _held(self, claiming: Awaitable[model.Claim]) -> tuple[model.Claim, float]:
+        """Claim, and hand what was claimed to the keeper, trusted from before the request."""
+        sent = self._clock()
+        claim, seconds = await _timed(claiming)
+        self.leases.hold(claim, sent)
         return claim, seconds
 
     async def drop_prefetched(self) -> None:
-        """Give back a batch claimed ahead that no cycle will publish (stopping, or blocked)."""
+        """Give back a batch claimed ahead that no cycle will publish (stopping, blocked, or no
+        broker to publish it to): due at once, for any replica, its attempt refunded."""
         prefetched, self._prefetched = self._prefetched, None
         if prefetched is None:
             return
         try:
             claim, _ = await prefetched
         except errors.TransientError:
-            return  # nothing was claimed, or its lease runs out: orphans, taken one at a time
+            return  # nothing was claimed
         if claim.messages:
-            await self._settle(claim.claim_id, release(claim.messages, "released unsent"))
-            self._held.pop(claim.claim_id, None)
+            try:
+                await self._settle(claim.claim_id, release(claim.messages, "released unsent"))
+            finally:
+                self.leases.drop(claim.claim_id)
 
     async def _orphans(self) -> model.CycleReport:
         """Bury orphans that used up their attempts, then take the others one at a time. Orphans
         appear only when a lease runs out, so looking twice per lease is often enough."""
-        self._next_orphan_check = time.monotonic() + self._options.lease / 2
+        self._next_orphan_check = self._clock() + self._options.lease / 2
         report = await self._bury()
         for _ in range(self._options.batch_size):
             if self._stopping.is_set() or self._publisher.blocked:
                 break
-            orphan, seconds = await _timed(self._store.claim_orphans(1, self._options.lease))
+            orphan, seconds = await self._held(
+                self._store.claim_orphans(1, self._options.lease, self._options.max_attempts)
+            )
             if not orphan.messages:
                 break
             report = report.combine(await self._work(orphan, seconds))
         return report
 
     async def run_until_empty(self) -> model.CycleReport:
-        """Cycle until a claim finds no due rows; return the sum of the cycles' reports."""
+        """Cycle until a cycle finds nothing to do (no due rows, nothing to bury, no keyed row to
+        release); return the sum of the cycles' reports."""
         total = model.CycleReport()
-        while (report := await self.run_once()).claimed or report.buried:
-            total = total.combine(report)
-        return total
+        async with self._keeping():
+            while True:
+                report = await self.run_once()
+                total = total.combine(report)
+                if not (report.claimed or report.buried or report.settled.released):
+                    return total
 
     async def run(self, stop: asyncio.Event) -> None:
         """Cycle until `stop` is set: back-to-back while batches come back full (which sweeps any
@@ -225,28 +265,40 @@ class Relay:
         claimed and the batch in flight gets `shutdown_grace` seconds for its confirms before what
         is unconfirmed is given back. Outages are retried with back-off; other errors propagate."""
         grace = asyncio.create_task(self._abort_after_grace(stop))
+        async with self._keeping():
+            try:
+                while not stop.is_set():
+                    self.tick()
+                    self.wake.clear()
+                    report = await self._cycle(stop)
+                    # Straight on while batches come back full (in rows, or in bytes: cut short),
+                    # or when settles freed keyed rows.
+                    if report is None or report.claimed >= self._options.batch_size:
+                        continue
+                    if report.cut_short:
+                        continue
+                    if report.settled.released:
+                        continue
+                    if report.blocked:
+                        await self._wait_unblocked(stop)
+                        continue
+                    await _wait_any((self.wake, stop), self._options.poll_interval)
+            finally:
+                grace.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await grace
+                await self.drop_prefetched()
+
+    @contextlib.asynccontextmanager
+    async def _keeping(self) -> AsyncIterator[None]:
+        """The lease keeper's heartbeat, for as long as the relay runs."""
+        beating = asyncio.create_task(self.heartbeat.run(), name="outbox-leases")
         try:
-            while not stop.is_set():
-                self.tick()
-                self.wake.clear()
-                report = await self._cycle(stop)
-                # Straight on while batches come back full (in rows, or in bytes: cut short), or
-                # when settles freed keyed rows.
-                if report is None or report.claimed >= self._options.batch_size:
-                    continue
-                if report.cut_short:
-                    continue
-                if report.settled.released:
-                    continue
-                if report.blocked:
-                    await self._wait_unblocked(stop)
-                    continue
-                await _wait_any((self.wake, stop), self._options.poll_interval)
+            yield
         finally:
-            grace.cancel()
+            beating.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await grace
-            await self.drop_prefetched()
+                await beating
 
     async def _abort_after_grace(self, stop: asyncio.Event) -> None:
         await stop.wait()
@@ -315,59 +367,48 @@ class Relay:
         batch = sorted(claim.messages, key=lambda m: m.id)
         to_send: list[model.OutboxMessage] = []
         results: list[model.PublishResult] = []
-        if self._stopping.is_set():
-            settlement = release(batch, "released unsent: the relay was stopping")
-        else:
-            exhausted = [m for m in batch if m.attempts > self._options.max_attempts]
-            to_send = [m for m in batch if m.attempts <= self._options.max_attempts]
-            self._held[claim.claim_id] = [m.id for m in to_send]
-            if self._options.prefetch and (
-                len(batch) >= self._options.batch_size or claim.cut_short
-            ):
-                self._prefetched = asyncio.ensure_future(self._claim_ahead())
-            async with self._heartbeat():
-                results = await self._publisher.publish(to_send, self._abort) if to_send else []
-            settlement = plan(
-                to_send, results, exhausted, self._options, stopping=self._stopping.is_set()
-            )
-        counts = await self._settle(claim.claim_id, settlement)
-        self._held.pop(claim.claim_id, None)
+        try:
+            if self._stopping.is_set():
+                settlement = release(batch, "released unsent: the relay was stopping")
+            else:
+                to_send, results, settlement = await self._publish(claim, batch)
+            counts = await self._settle(claim.claim_id, settlement)
+        finally:
+            self.leases.drop(claim.claim_id)
         _log_transitions(batch, settlement, counts)
         return _report(claim, claim_seconds, to_send, results, settlement, counts)
 
-    @contextlib.asynccontextmanager
-    async def _heartbeat(self) -> AsyncIterator[None]:
-        """Renew the leases of the batches held here (the one being published, and the next one
-        claimed ahead) while publishing, so a slow broker cannot make their rows look abandoned; a
-        relay that dies stops renewing, and its rows come back quickly."""
-        beating = asyncio.create_task(self._beat())
+    async def _publish(
+        self, claim: model.Claim, batch: list[model.OutboxMessage]
+    ) -> tuple[list[model.OutboxMessage], list[model.PublishResult], model.Settlement]:
+        """Publish what the claim still holds (renewing its lease first if little of it is left)
+        and plan the settle; claim the next batch meanwhile if this one is full."""
         try:
-            yield
-        finally:
-            beating.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beating
-
-    async def _beat(self) -> None:
-        while True:
-            await asyncio.sleep(self._options.heartbeat)
-            for claim_id, ids in list(self._held.items()):
-                try:
-                    kept = await self._store.extend(claim_id, ids, self._options.lease)
-                except errors.TransientError as exc:
-                    log.warning(
-                        "could not renew a lease (%s); if it runs out, another relay may "
-                        "publish the rows too",
-                        exc,
-                    )
-                    continue
-                if kept < len(ids):
-                    log.warning(
-                        "%d of %d rows held were re-claimed by another relay after their "
-                        "lease ran out",
-                        len(ids) - kept,
-                        len(ids),
-                    )
+            held = await self.leases.confirm(claim.claim_id)
+        except errors.TransientError as exc:
+            log.warning("could not confirm a lease before publishing (%s): giving it back", exc)
+            return [], [], release(batch, f"not sent: {exc}")
+        if len(held) < len(batch):
+            log.warning(
+                "%d of %d rows claimed passed to another relay before they were sent; "
+                "not sending them",
+                len(batch) - len(held),
+                len(batch),
+            )
+        mine = [m for m in batch if m.id in held]
+        exhausted = [m for m in mine if m.attempts > self._options.max_attempts]
+        to_send = [m for m in mine if m.attempts <= self._options.max_attempts]
+        if self._options.prefetch and (len(batch) >= self._options.batch_size or claim.cut_short):
+            self._prefetched = asyncio.ensure_future(self._claim_now())
+        results: list[model.PublishResult] = []
+        if to_send:
+            results = await self._publisher.publish(
+                to_send, self._abort, lambda: self.leases.valid(claim.claim_id)
+            )
+        settlement = plan(
+            to_send, results, exhausted, self._options, stopping=self._stopping.is_set()
+        )
+        return to_send, results, settlement
 
     async def _settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:
         # The broker has spoken; forgetting what it said would re-send the batch after the lease.

@@ -27,6 +27,8 @@ _LATENCY_BUCKETS = (
 _BATCH_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
 #: Retries by why the message is tried again.
 RETRY_CLASSES = ("nacked", "ambiguous", "failed", "released")
+#: The background chores a relay runs (chores.Chore names).
+CHORES = ("watcher", "pruner", "listener", "leases", "keys")
 
 
 class Metrics:
@@ -98,6 +100,20 @@ class Metrics:
             "outbox_claim_seconds",
             "Latency of the claim query.",
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        # The background chores.
+        self.chore_errors = Counter(
+            "outbox_chore_errors",
+            "Runs of a background chore (watcher, pruner, listener, leases, keys) that failed "
+            "with an error that is no outage; each is logged at ERROR with its traceback, and the "
+            "chore runs again after a back-off.",
+            ["chore"],
+            registry=r,
+        )
+        self.keys_forgotten = Counter(
+            "outbox_keys_forgotten",
+            "Ordering keys forgotten after OUTBOX_KEY_RETENTION unused (their numbering restarts).",
             registry=r,
         )
         # What the archive pruner did.
@@ -185,6 +201,12 @@ class Metrics:
             self.retried.labels(why)
         for result in ("done", "skipped", "failed"):
             self.prune_runs.labels(result)
+        for chore in CHORES:
+            self.chore_errors.labels(chore)
+
+    def chore_failed(self, chore: str) -> None:
+        """Count a failed run of a background chore (chores.Chore's on_error)."""
+        self.chore_errors.labels(chore).inc()
 
     def record(self, report: model.CycleReport) -> None:
         """Count what one cycle did."""

@@ -84,6 +84,7 @@ class Outcome(enum.Enum):
     REJECTED = "rejected"  # the broker closed the channel over this message (reason says why)
     AMBIGUOUS = "ambiguous"  # sent or maybe sent, but no confirm arrived: it may have arrived
     FAILED = "failed"  # publishing raised an error nobody expected: a bug, or a poison row
+    UNSENT = "unsent"  # never written: the relay could no longer be sure it held the lease
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

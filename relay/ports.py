@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 from uuid import UUID
 
@@ -17,21 +17,28 @@ class Store(Protocol):
         """Lease up to `limit` due unclaimed rows for `lease` seconds, counting an attempt each."""
         ...
 
-    async def claim_orphans(self, limit: int, lease: float) -> model.Claim:
-        """The same for orphans: rows whose lease ran out without a settle (their relay died)."""
+    async def claim_orphans(self, limit: int, lease: float, max_attempts: int) -> model.Claim:
+        """The same for orphans (rows whose lease ran out without a settle: their relay died)
+        with fewer than `max_attempts` claims; the others are bury_exhausted's."""
         ...
 
     async def bury_exhausted(self, max_attempts: int) -> list[tuple[UUID, int]]:
-        """Move orphans with `max_attempts` claims to dead without reading them; return each one's
-        message_id and attempts."""
+        """Move every orphan with `max_attempts` claims to dead without reading it; return each
+        one's message_id and attempts."""
         ...
 
-    async def extend(self, claim_id: UUID, ids: Sequence[int], lease: float) -> int:
-        """Push the lease of rows still under `claim_id` to `lease` seconds from now; how many."""
+    async def extend(self, claim_id: UUID, ids: Sequence[int], lease: float) -> frozenset[int]:
+        """Push the lease of rows still under `claim_id` to `lease` seconds from now (by the
+        database's clock); return those rows. The others were re-claimed by another relay."""
         ...
 
     async def settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:
         """Apply a claim's transitions in one transaction; skip rows no longer under `claim_id`."""
+        ...
+
+    async def release_stranded(self) -> int:
+        """Release keyed rows whose producer committed while their predecessor was being
+        settled, now that both are over; how many."""
         ...
 
     async def stats(self) -> model.Stats:
@@ -56,11 +63,17 @@ class Publisher(Protocol):
         ...
 
     async def publish(
-        self, messages: Sequence[model.OutboxMessage], abort: asyncio.Event | None = None
+        self,
+        messages: Sequence[model.OutboxMessage],
+        abort: asyncio.Event | None = None,
+        still_held: Callable[[], bool] | None = None,
     ) -> list[model.PublishResult]:
         """Publish all messages and return one result per message, in order. Never raises for a
         per-message failure: a lost connection makes the unconfirmed messages AMBIGUOUS. Setting
-        `abort` stops waiting for confirms; what is still unconfirmed comes back AMBIGUOUS."""
+        `abort` stops waiting for confirms; what is still unconfirmed comes back AMBIGUOUS.
+        `still_held` is asked right before anything is written: once it says no (the lease on
+        the messages may have passed to another relay), nothing more is written, and messages
+        never written come back UNSENT."""
         ...
 
     async def close(self) -> None: ...

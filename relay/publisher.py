@@ -10,7 +10,7 @@ import re
 import ssl
 import struct
 import time
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 from urllib.parse import unquote, urlsplit
 
@@ -190,7 +190,10 @@ class AmqpPublisher:
                 await asyncio.wait_for(connection.close(), self._connect_timeout)
 
     async def publish(
-        self, messages: Sequence[model.OutboxMessage], abort: asyncio.Event | None = None
+        self,
+        messages: Sequence[model.OutboxMessage],
+        abort: asyncio.Event | None = None,
+        still_held: Callable[[], bool] | None = None,
     ) -> list[model.PublishResult]:
         results: Results = {}
         ready: dict[int, Encoded] = {}
@@ -206,7 +209,8 @@ class AmqpPublisher:
             if early is not None:
                 results[i] = early
                 del ready[i]
-        results.update(await self._publish_in_rounds(messages, ready, abort))
+        held = still_held or _always
+        results.update(await self._publish_in_rounds(messages, ready, abort, held))
         return [results[i] for i in range(len(messages))]
 
     def _refused_before_sending(
@@ -229,16 +233,21 @@ class AmqpPublisher:
         messages: Sequence[model.OutboxMessage],
         ready: Mapping[int, Encoded],
         abort: asyncio.Event,
+        still_held: Callable[[], bool],
     ) -> Results:
         """Round 1 publishes everything pipelined. After a channel error, the broker's reply names
         the culprits if it can, and the rest go again pipelined; if it cannot, or a second error
-        comes, the rest go one at a time, so each refusal names its own message."""
+        comes, the rest go one at a time, so each refusal names its own message. Before each
+        write, `still_held` must say the relay still holds the messages' lease."""
         final: Results = {}
         todo = dict(ready)
         resent: set[int] = set()
         blamed: Results = {}
         for round_ in range(3):
             if not todo:
+                break
+            if not still_held():
+                final.update({i: _not_held(round_) for i in todo})
                 break
             if round_:
                 try:
@@ -247,11 +256,18 @@ class AmqpPublisher:
                     final.update({i: _ambiguous(str(exc), i in resent) for i in todo})
                     break
             one_by_one = round_ == 2 or (round_ == 1 and not blamed)
+            skipped: set[int] = set()
             if one_by_one:
-                got, error = await self._one_at_a_time(messages, todo, abort), None
+                got, skipped = await self._one_at_a_time(messages, todo, abort, still_held)
+                error = None
             else:
                 got, error = await self._pipelined(messages, todo, abort)
-            final.update({i: dataclasses.replace(r, resent=i in resent) for i, r in got.items()})
+            final.update(
+                {
+                    i: dataclasses.replace(r, resent=i in resent and i not in skipped)
+                    for i, r in got.items()
+                }
+            )
             if error is None or abort.is_set():
                 break
             unconfirmed = [i for i, r in got.items() if r.outcome is Outcome.AMBIGUOUS]
@@ -305,13 +321,17 @@ class AmqpPublisher:
         messages: Sequence[model.OutboxMessage],
         todo: Mapping[int, Encoded],
         abort: asyncio.Event,
-    ) -> Results:
+        still_held: Callable[[], bool],
+    ) -> tuple[Results, set[int]]:
         """Publish each message alone and wait for its confirm: whatever closes the channel now
-        can only be that message's doing."""
+        can only be that message's doing. Also returns the messages it did not write again."""
         results: Results = {}
+        skipped: set[int] = set()
         for i, encoded in todo.items():
-            if abort.is_set():
-                results[i] = _ambiguous("the relay is stopping")
+            if abort.is_set() or not still_held():
+                why = "the relay is stopping" if abort.is_set() else _NOT_HELD
+                results[i] = _ambiguous(why)
+                skipped.add(i)
                 continue
             try:
                 await self.connect()
@@ -328,7 +348,7 @@ class AmqpPublisher:
                 results[i] = self._blame(error, messages, [i]).get(i) or _refusal(error)
             if not self.connected:
                 await self.close()
-        return results
+        return results, skipped
 
     def _blame(
         self,
@@ -568,6 +588,21 @@ def _rejected(reason: model.DeadReason, detail: str) -> model.PublishResult:
 
 def _ambiguous(detail: str, resent: bool = False) -> model.PublishResult:
     return model.PublishResult(Outcome.AMBIGUOUS, detail, resent=resent)
+
+
+_NOT_HELD = "not written: the relay can no longer be sure it holds the lease"
+
+
+def _always() -> bool:
+    return True
+
+
+def _not_held(round_: int) -> model.PublishResult:
+    """A message not written because the lease may be gone: UNSENT if it never was, else
+    AMBIGUOUS (an earlier write may have arrived; twice written from the third round on)."""
+    if round_ == 0:
+        return model.PublishResult(Outcome.UNSENT, _NOT_HELD)
+    return _ambiguous(f"{_NOT_HELD} again", resent=round_ >= 2)
 
 
 def _channel_error(tasks: Any) -> aiormq.exceptions.ChannelClosed | None:

@@ -39,10 +39,11 @@ RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.body, m.headers::text
 -- name: claim_orphans
 -- The same for orphans: rows whose lease ran out without a settle because their relay died.
 -- The loop takes them one at a time, so a row that kills its relay can only take itself down.
+-- Orphans that used up their attempts are bury_exhausted's: their body never reaches a relay.
 WITH due AS MATERIALIZED (
     SELECT id
     FROM {schema}.messages
-    WHERE claim_id IS NOT NULL AND available_at <= now()
+    WHERE claim_id IS NOT NULL AND available_at <= now() AND attempts < %(max_attempts)s
     ORDER BY available_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -60,104 +61,34 @@ RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.body, m.headers::text
           m.seq, m.replays, m.replayed_at, m.replayed_from, 1::bigint AS locked;
 
 -- name: bury_exhausted
--- Orphans that used up their attempts go to dead here, in SQL: their body never reaches a relay,
--- because reading it may be exactly what kills relays. Keyed ones are then passed to keys_settled.
-WITH gone AS (
-    DELETE FROM {schema}.messages
-    WHERE id IN (
-        SELECT id
-        FROM {schema}.messages
-        WHERE claim_id IS NOT NULL AND available_at <= now() AND attempts >= %(max_attempts)s
-        ORDER BY available_at, id
-        LIMIT 100
-        FOR UPDATE SKIP LOCKED
-    )
-    RETURNING message_id, exchange, routing_key, body, headers, properties, ordering_key, seq,
-              attempts, ambiguous, created_at, claimed_by, last_error, replays, replayed_at,
-              replayed_from
-)
-INSERT INTO {schema}.dead (message_id, exchange, routing_key, body, headers, properties,
-                           ordering_key, seq, attempts, ambiguous, created_at, replays,
-                           replayed_at, replayed_from, reason, detail)
-SELECT message_id, exchange, routing_key, body, headers, properties, ordering_key, seq,
-       attempts, ambiguous, created_at, replays, replayed_at, replayed_from, 'max_attempts',
-       format('claimed %%s times and never settled: the relays publishing it died or lost '
-              'their lease (last claimed by %%s; last error: %%s)',
-              attempts, coalesce(claimed_by, 'unknown'), coalesce(last_error, 'none'))
-FROM gone
-RETURNING message_id, attempts, ordering_key, seq, reason;
+-- Up to %(limit)s orphans that used up their attempts, moved to dead in SQL (migration 0013).
+SELECT buried_id, buried_attempts
+FROM {schema}.bury_exhausted(%(max_attempts)s, %(limit)s);
 
 -- name: extend_leases
--- A heartbeat: push the lease of rows this claim still holds; rows re-claimed elsewhere are skipped.
+-- A heartbeat, or the check before publishing: push the lease of rows this claim still holds, and
+-- say which those are (rows re-claimed elsewhere are skipped, and must not be published).
 UPDATE {schema}.messages
 SET available_at = now() + make_interval(secs => %(lease)s)
-WHERE id = ANY(%(ids)s::bigint[]) AND claim_id = %(claim_id)s;
+WHERE id = ANY(%(ids)s::bigint[]) AND claim_id = %(claim_id)s
+RETURNING id;
 
--- name: mark_resent
--- Rows this claim wrote twice (a channel error cut the first send short): one more ambiguous send.
-UPDATE {schema}.messages
-SET ambiguous = ambiguous + 1
-WHERE id = ANY(%(ids)s::bigint[]) AND claim_id = %(claim_id)s;
+-- name: settle
+-- Every transition of one claim, in one statement and one transaction (migration 0013).
+SELECT archived, dead, retried, released, blocked
+FROM {schema}.settle(
+    %(claim_id)s, %(archive)s::bigint[], %(dead)s::bigint[], %(reasons)s::text[],
+    %(details)s::text[], %(retry)s::bigint[], %(delays)s::float8[], %(errors)s::text[],
+    %(refunds)s::boolean[], %(ambiguous)s::boolean[], %(resent)s::bigint[], %(durable)s);
 
--- name: archive_published
--- Move confirmed rows to the archive. Rows whose claim_id changed (re-claimed elsewhere) are left
--- alone. Returns the keyed ones, for keys_settled.
-WITH done AS (
-    DELETE FROM {schema}.messages
-    WHERE id = ANY(%(ids)s::bigint[]) AND claim_id = %(claim_id)s
-    RETURNING message_id, exchange, routing_key, body, headers, properties, ordering_key, seq,
-              attempts, ambiguous, created_at, replays, replayed_at, replayed_from
-)
-INSERT INTO {schema}.archive (message_id, exchange, routing_key, body, headers, properties,
-                              ordering_key, seq, attempts, ambiguous, created_at, replays,
-                              replayed_at, replayed_from)
-SELECT message_id, exchange, routing_key, body, headers, properties, ordering_key, seq,
-       attempts, ambiguous, created_at, replays, replayed_at, replayed_from
-FROM done
-RETURNING message_id, ordering_key, seq, NULL::text AS reason;
+-- name: release_stranded
+-- Keyed rows whose producer committed while their predecessor was being settled (migration 0012).
+SELECT looked, released FROM {schema}.release_stranded(%(limit)s);
 
--- name: dead_letter
--- Move failed rows to dead with a reason each, under the same fence as archive_published.
-WITH failed AS (
-    SELECT *
-    FROM unnest(%(ids)s::bigint[], %(reasons)s::text[], %(details)s::text[]) AS f(id, reason, detail)
-), gone AS (
-    DELETE FROM {schema}.messages AS m
-    USING failed AS f
-    WHERE m.id = f.id AND m.claim_id = %(claim_id)s
-    RETURNING m.message_id, m.exchange, m.routing_key, m.body, m.headers, m.properties,
-              m.ordering_key, m.seq, m.attempts, m.ambiguous, m.created_at, m.replays,
-              m.replayed_at, m.replayed_from, f.reason, f.detail
-)
-INSERT INTO {schema}.dead (message_id, exchange, routing_key, body, headers, properties,
-                           ordering_key, seq, attempts, ambiguous, created_at, replays,
-                           replayed_at, replayed_from, reason, detail)
-SELECT message_id, exchange, routing_key, body, headers, properties, ordering_key, seq,
-       attempts, ambiguous, created_at, replays, replayed_at, replayed_from, reason, detail
-FROM gone
-RETURNING message_id, ordering_key, seq, reason;
-
--- name: keys_settled
--- Keyed rows just archived or dead-lettered: release each key's next row, or block the key.
-SELECT released, blocked
-FROM {schema}._keys_settled(%(keys)s::text[], %(seqs)s::bigint[], %(reasons)s::text[],
-                            %(message_ids)s::uuid[]);
-
--- name: retry_later
--- End the lease of rows to be tried again after a delay each. A refund gives back the attempt the
--- claim counted (the row was not really tried: released at shutdown, or its outcome is unknown);
--- an ambiguous one is also counted as a send that may have arrived.
-UPDATE {schema}.messages AS m
-SET available_at = now() + make_interval(secs => r.delay),
-    attempts = m.attempts - r.refund::int,
-    ambiguous = m.ambiguous + r.ambiguous::int,
-    claim_id = NULL,
-    claimed_by = NULL,
-    claimed_at = NULL,
-    last_error = r.error
-FROM unnest(%(ids)s::bigint[], %(delays)s::float8[], %(errors)s::text[], %(refunds)s::bool[],
-            %(ambiguous)s::bool[]) AS r(id, delay, error, refund, ambiguous)
-WHERE m.id = r.id AND m.claim_id = %(claim_id)s;
+-- name: forget_idle_keys
+-- One page of a pass that forgets keys idle for %(idle)s seconds (migration 0014).
+SELECT forgotten, last_key
+FROM {schema}.forget_idle_keys(make_interval(secs => %(idle)s), %(after)s, %(limit)s);
 
 -- name: message_stats
 SELECT
@@ -239,9 +170,14 @@ VALUES (%(version)s, %(name)s, %(checksum)s);
 REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA {schema} FROM PUBLIC;
 
 -- name: relay_session
--- Each pooled connection of a relay: its own commits wait for the WAL flush, or not (see the
--- README's Performance section for why "not" loses nothing).
-SELECT set_config('synchronous_commit', %(synchronous_commit)s, false);
+-- Each pooled connection of a relay. Its claims are durable before anything is published: a
+-- server that does not wait for the WAL flush by default (`off`) is overruled for this session
+-- (stricter settings are kept); settles may then opt out (settle's p_durable). And it reads
+-- committed data: the key gate's decisions rest on what each statement sees committed.
+SELECT set_config('synchronous_commit', 'on', false)
+WHERE current_setting('synchronous_commit') = 'off'
+UNION ALL
+SELECT set_config('default_transaction_isolation', 'read committed', false);
 
 -- name: schema_version
 SELECT coalesce(max(version), 0) FROM {schema}.schema_migrations;

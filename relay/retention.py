@@ -51,9 +51,3 @@ class Pruner:
         self._metrics.pruned.inc(deleted)
         log.info("archive pruned: %d rows deleted in %.1fs", deleted, time.monotonic() - started)
         return deleted
-
-    async def run(self) -> None:
-        """Prune at once, then every interval, until cancelled."""
-        while True:
-            await self.run_once()
-            await asyncio.sleep(self._interval)

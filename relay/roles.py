@@ -38,10 +38,16 @@ def names(schema: str) -> Roles:
     return Roles(producer, relay, operator)
 
 
-def grants(schema: str) -> LiteralString:
-    """roles.sql bound to `schema` and its role names."""
+#: Where roles.sql's grants start: `migrate` applies only what follows (it never takes away).
+_GRANTS = "-- grants --"
+
+
+def grants(schema: str, *, revoke: bool = True) -> LiteralString:
+    """roles.sql bound to `schema` and its role names; without `revoke`, only its grants."""
     roles = names(schema)
     text = resources.files("relay").joinpath("roles.sql").read_text(encoding="utf-8")
+    if not revoke:
+        text = text[text.index(_GRANTS) :]
     for placeholder, name in (
         ("{schema}", schema),
         ("{producer}", roles.producer),
@@ -75,14 +81,16 @@ def ensure(conninfo: str, schema: str) -> Roles:
 
 
 def refresh(conn: psycopg.Connection[Any], schema: str) -> bool:
-    """Re-grant roles.sql if all three roles exist (after a migration); whether it did."""
+    """Grant roles.sql's grants again if all three roles exist (after a migration), revoking
+    nothing, so relays of the previous version keep working through a rolling upgrade; whether it
+    did. `ensure` (the `roles` command) is what takes away rights a release no longer needs."""
     roles = names(schema)
     found = conn.execute(
         "SELECT count(*) FROM pg_roles WHERE rolname = ANY(%s)", [list(roles.names())]
     ).fetchone()
     if found is None or found[0] != len(JOBS):
         return False
-    conn.execute(grants(schema))
+    conn.execute(grants(schema, revoke=False))
     return True
 
 

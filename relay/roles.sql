@@ -1,10 +1,16 @@
--- What each role may do in one outbox schema, applied by `outbox-relay roles` (and again by
--- `migrate` once the roles exist, so later migrations' objects are covered). `{schema}`,
--- `{producer}`, `{relay}` and `{operator}` are replaced by quoted, validated identifiers; nothing
--- else is spliced in. The grants are rebuilt from nothing each time, so the file is the whole truth.
+-- What each role may do in one outbox schema. `{schema}`, `{producer}`, `{relay}` and `{operator}`
+-- are replaced by quoted, validated identifiers; nothing else is spliced in.
+--
+-- `outbox-relay roles` runs the whole file: the grants are rebuilt from nothing, so the file is the
+-- whole truth. `migrate` (once the roles exist) runs only the part after `-- grants --`, so a new
+-- migration's objects are covered but nothing is taken away: relays of the previous version,
+-- still running during a rolling upgrade, keep what their statements need until `roles` is run
+-- after the rollout (CHANGELOG.md says when an upgrade needs that).
 REVOKE ALL ON ALL TABLES IN SCHEMA {schema} FROM {producer}, {relay}, {operator};
 REVOKE ALL ON ALL SEQUENCES IN SCHEMA {schema} FROM {producer}, {relay}, {operator};
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA {schema} FROM {producer}, {relay}, {operator};
+
+-- grants --
 GRANT USAGE ON SCHEMA {schema} TO {producer}, {relay}, {operator};
 
 -- Producers: enqueue, nothing else. The functions run as the owner (migration 0008), so a producer
@@ -15,19 +21,24 @@ GRANT EXECUTE ON FUNCTION
     {schema}.enqueue_many(text[], text[], bytea[], jsonb[], jsonb[], timestamptz[], text[], uuid[])
 TO {producer};
 
--- Relays: claim, lease, settle (archive, dead-letter, retry), release keys, prune the archive by
--- its retention, and read what the gauges count. No INSERT into messages (a relay cannot forge a
--- message), no change to settings or key policies, no DDL.
-GRANT SELECT, UPDATE, DELETE ON {schema}.messages TO {relay};
-GRANT SELECT, INSERT, DELETE ON {schema}.archive TO {relay};
-GRANT SELECT, INSERT ON {schema}.dead TO {relay};
-GRANT SELECT, UPDATE ON {schema}.keys TO {relay};
-GRANT SELECT, INSERT, UPDATE ON {schema}.key_releases TO {relay};
-GRANT SELECT, INSERT ON {schema}.blocked_keys TO {relay};
-GRANT SELECT ON {schema}.key_policies, {schema}.schema_migrations TO {relay};
+-- Relays: claim and lease (an UPDATE of the lease columns only), settle, bury, release stranded
+-- keyed rows and forget idle keys (functions that move whole rows and run as the owner, migration
+-- 0013), prune the archive by its retention, and read what the gauges count. A relay cannot write
+-- a message's content, destination, key or gate, insert or delete one, insert a dead or archived
+-- row, or touch keys, blocks, settings or key policies. (FOR UPDATE in the claim needs UPDATE on a
+-- column, which the lease columns are.)
+GRANT SELECT ON {schema}.messages, {schema}.archive, {schema}.dead, {schema}.blocked_keys,
+                {schema}.schema_migrations
+TO {relay};
+GRANT UPDATE (attempts, claim_id, claimed_by, claimed_at, available_at) ON {schema}.messages
+TO {relay};
+GRANT DELETE ON {schema}.archive TO {relay};
 GRANT EXECUTE ON FUNCTION
-    {schema}._keys_settled(text[], bigint[], text[], uuid[]),
-    {schema}.key_policy(text)
+    {schema}.settle(uuid, bigint[], bigint[], text[], text[], bigint[], float8[], text[], boolean[],
+                    boolean[], bigint[], boolean),
+    {schema}.bury_exhausted(integer, integer),
+    {schema}.release_stranded(integer),
+    {schema}.forget_idle_keys(interval, text, integer)
 TO {relay};
 
 -- Operators: the CLI's dead-letter, archive, keys and stats commands and the data pipeline:

@@ -21,11 +21,9 @@ class Queries:
     claim_orphans: LiteralString
     bury_exhausted: LiteralString
     extend_leases: LiteralString
-    mark_resent: LiteralString
-    archive_published: LiteralString
-    dead_letter: LiteralString
-    keys_settled: LiteralString
-    retry_later: LiteralString
+    settle: LiteralString
+    release_stranded: LiteralString
+    forget_idle_keys: LiteralString
     message_stats: LiteralString
     blocked_key_count: LiteralString
     archive_count: LiteralString

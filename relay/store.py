@@ -21,6 +21,8 @@ POOL_WAIT = 3.0
 #: A claimed batch's bodies, headers and properties stop growing past this (the first row is
 #: always taken). The relay holds at most two batches: one publishing, one claimed ahead.
 BATCH_MAX_BYTES = 64 * 1024 * 1024
+#: Rows one bury, one recheck or one page of forgetting keys handles per transaction.
+CHUNK = 1000
 
 
 class PgStore:
@@ -32,12 +34,14 @@ class PgStore:
         schema: str,
         relay_name: str,
         batch_max_bytes: int = BATCH_MAX_BYTES,
+        synchronous_commit: bool = True,
     ) -> None:
         self._pool = pool
         self._schema = schema
         self._q = sql.load(schema)
         self._relay_name = relay_name
         self._batch_max_bytes = batch_max_bytes
+        self._synchronous_commit = synchronous_commit
 
     @classmethod
     async def open(
@@ -51,7 +55,9 @@ class PgStore:
         synchronous_commit: bool = True,
         batch_max_bytes: int = BATCH_MAX_BYTES,
     ) -> PgStore:
-        """Open a pool and check the schema exists. Raises DatabaseUnavailable or SchemaMissing."""
+        """Open a pool and check the schema exists. Raises DatabaseUnavailable or SchemaMissing.
+        Claims are always durable before they return; without `synchronous_commit`, settles do
+        not wait for the WAL flush (unless they record a re-send)."""
         config.check_identifier(schema)
         with translate_errors(schema):
             # One direct connection first: a pool only says "timed out", libpq says why.
@@ -71,13 +77,13 @@ class PgStore:
             timeout=POOL_WAIT,
             reconnect_timeout=POOL_WAIT,
             kwargs={"autocommit": True, "application_name": pg.APPLICATION_NAME},
-            configure=_session(sql.load(schema).relay_session, synchronous_commit),
+            configure=_session(sql.load(schema).relay_session),
             name="outbox-relay",
         )
         try:
             with translate_errors(schema):
                 await pool.open(wait=True, timeout=connect_timeout)
-            store = cls(pool, schema, relay_name, batch_max_bytes)
+            store = cls(pool, schema, relay_name, batch_max_bytes, synchronous_commit)
             await store.schema_version()
         except BaseException:
             await pool.close()
@@ -108,10 +114,12 @@ class PgStore:
     async def claim(self, limit: int, lease: float) -> model.Claim:
         return await self._claim(self._q.claim_batch, limit, lease)
 
-    async def claim_orphans(self, limit: int, lease: float) -> model.Claim:
-        return await self._claim(self._q.claim_orphans, limit, lease)
+    async def claim_orphans(self, limit: int, lease: float, max_attempts: int) -> model.Claim:
+        return await self._claim(self._q.claim_orphans, limit, lease, max_attempts)
 
-    async def _claim(self, query: LiteralString, limit: int, lease: float) -> model.Claim:
+    async def _claim(
+        self, query: LiteralString, limit: int, lease: float, max_attempts: int = 0
+    ) -> model.Claim:
         claim_id = uuid.uuid4()
         params = {
             "limit": limit,
@@ -119,6 +127,7 @@ class PgStore:
             "lease": lease,
             "claim_id": claim_id,
             "claimed_by": self._relay_name,
+            "max_attempts": max_attempts,
         }
         async with self._connection() as conn:
             cur = conn.cursor(row_factory=namedtuple_row)
@@ -129,58 +138,57 @@ class PgStore:
         return model.Claim(claim_id, tuple(_message(row) for row in rows), cut_short)
 
     async def bury_exhausted(self, max_attempts: int) -> list[tuple[UUID, int]]:
-        async with self._connection() as conn, conn.transaction():
-            cur = await conn.execute(self._q.bury_exhausted, {"max_attempts": max_attempts})
-            rows = await cur.fetchall()
-            await self._keys_settled(conn, [(m, key, seq, why) for m, _, key, seq, why in rows])
-        return [(UUID(str(m)), int(n)) for m, n, *_ in rows]
+        buried: list[tuple[UUID, int]] = []
+        while True:  # in chunks, each its own transaction
+            async with self._connection() as conn:
+                cur = await conn.execute(
+                    self._q.bury_exhausted, {"max_attempts": max_attempts, "limit": CHUNK}
+                )
+                rows = await cur.fetchall()
+            buried.extend((UUID(str(m)), int(n)) for m, n in rows)
+            if len(rows) < CHUNK:
+                return buried
 
-    async def extend(self, claim_id: UUID, ids: Sequence[int], lease: float) -> int:
+    async def extend(self, claim_id: UUID, ids: Sequence[int], lease: float) -> frozenset[int]:
         params = {"claim_id": claim_id, "ids": list(ids), "lease": lease}
         async with self._connection() as conn:
             cur = await conn.execute(self._q.extend_leases, params)
-            return cur.rowcount
+            return frozenset(int(i) for (i,) in await cur.fetchall())
 
     async def settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:
-        archived: list[Any] = []
-        dead: list[Any] = []
-        retried = 0
-        async with self._connection() as conn, conn.transaction():
-            if settlement.resent:
-                await conn.execute(
-                    self._q.mark_resent, {"ids": list(settlement.resent), "claim_id": claim_id}
-                )
-            if settlement.archive:
-                cur = await conn.execute(
-                    self._q.archive_published,
-                    {"ids": list(settlement.archive), "claim_id": claim_id},
-                )
-                archived = await cur.fetchall()
-            if settlement.dead:
-                cur = await conn.execute(self._q.dead_letter, _dead_params(claim_id, settlement))
-                dead = await cur.fetchall()
-            if settlement.retry:
-                cur = await conn.execute(self._q.retry_later, _retry_params(claim_id, settlement))
-                retried = cur.rowcount
-            released, blocked = await self._keys_settled(conn, [*archived, *dead])
-        fenced = settlement.size - len(archived) - len(dead) - retried
-        return model.SettleCounts(len(archived), len(dead), retried, fenced, released, blocked)
+        # A settle that records a re-send waits for the flush whatever the setting: losing it in
+        # a crash would lose a send from `attempts + ambiguous`, the bound on the sends.
+        durable = self._synchronous_commit or bool(settlement.resent)
+        async with self._connection() as conn:
+            cur = await conn.execute(self._q.settle, _settle_params(claim_id, settlement, durable))
+            archived, dead, retried, released, blocked = await _one(cur)
+        fenced = settlement.size - archived - dead - retried
+        return model.SettleCounts(archived, dead, retried, fenced, released, blocked)
 
-    async def _keys_settled(
-        self, conn: psycopg.AsyncConnection[Any], rows: Sequence[Any]
-    ) -> tuple[int, int]:
-        """Release the next row of each key settled here (or block the key), in the settle's
-        transaction. `rows` are (message_id, ordering_key, seq, dead reason or None)."""
-        keyed = [row for row in rows if row[1] is not None]
-        if not keyed:
-            return 0, 0
-        message_ids, keys, seqs, reasons = (list(column) for column in zip(*keyed, strict=True))
-        cur = await conn.execute(
-            self._q.keys_settled,
-            {"keys": keys, "seqs": seqs, "reasons": reasons, "message_ids": message_ids},
-        )
-        released, blocked = await _one(cur)
-        return int(released), int(blocked)
+    async def release_stranded(self) -> int:
+        released = 0
+        while True:
+            async with self._connection() as conn:
+                cur = await conn.execute(self._q.release_stranded, {"limit": CHUNK})
+                looked, n = await _one(cur)
+            released += int(n)
+            if looked < CHUNK:
+                return released
+
+    async def forget_idle_keys(self, idle_for: float) -> int:
+        """Forget keys nobody has used for `idle_for` seconds (no message waiting, no block):
+        one pass over `keys`, in pages of their own transactions; how many."""
+        forgotten, after = 0, ""
+        while True:
+            async with self._connection() as conn:
+                cur = await conn.execute(
+                    self._q.forget_idle_keys, {"idle": idle_for, "after": after, "limit": CHUNK}
+                )
+                n, last = await _one(cur)
+            forgotten += int(n)
+            if last is None:
+                return forgotten
+            after = str(last)
 
     async def blocked_key_count(self) -> int:
         async with self._connection() as conn:
@@ -261,13 +269,11 @@ class PgStore:
             return {str(reason): int(n) for reason, n in await cur.fetchall()}
 
 
-def _session(
-    query: LiteralString, synchronous_commit: bool
-) -> Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]]:
+def _session(query: LiteralString) -> Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]]:
     """The pool's set-up of each new connection."""
 
     async def configure(conn: psycopg.AsyncConnection[Any]) -> None:
-        await conn.execute(query, {"synchronous_commit": "on" if synchronous_commit else "off"})
+        await conn.execute(query)
 
     return configure
 
@@ -312,21 +318,18 @@ def _message(row: Any) -> model.OutboxMessage:
     )
 
 
-def _dead_params(claim_id: UUID, settlement: model.Settlement) -> dict[str, Any]:
+def _settle_params(claim_id: UUID, settlement: model.Settlement, durable: bool) -> dict[str, Any]:
     return {
         "claim_id": claim_id,
-        "ids": [d.id for d in settlement.dead],
+        "archive": list(settlement.archive),
+        "dead": [d.id for d in settlement.dead],
         "reasons": [d.reason.value for d in settlement.dead],
         "details": [d.detail for d in settlement.dead],
-    }
-
-
-def _retry_params(claim_id: UUID, settlement: model.Settlement) -> dict[str, Any]:
-    return {
-        "claim_id": claim_id,
-        "ids": [r.id for r in settlement.retry],
+        "retry": [r.id for r in settlement.retry],
         "delays": [r.delay for r in settlement.retry],
         "errors": [r.error for r in settlement.retry],
         "refunds": [r.refund for r in settlement.retry],
         "ambiguous": [r.ambiguous for r in settlement.retry],
+        "resent": list(settlement.resent),
+        "durable": durable,
     }

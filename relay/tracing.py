@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from relay import model, ports
@@ -104,10 +104,13 @@ class TracedPublisher:
         await self._inner.close()
 
     async def publish(
-        self, messages: Sequence[model.OutboxMessage], abort: asyncio.Event | None = None
+        self,
+        messages: Sequence[model.OutboxMessage],
+        abort: asyncio.Event | None = None,
+        still_held: Callable[[], bool] | None = None,
     ) -> list[model.PublishResult]:
         started = time.time_ns()
-        results = await self._inner.publish(messages, abort)
+        results = await self._inner.publish(messages, abort, still_held)
         ended = time.time_ns()
         for message, result in zip(messages, results, strict=True):
             parent = producer_span_context(message.headers)

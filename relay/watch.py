@@ -3,7 +3,6 @@ vacuum-horizon warning, and the liveness and readiness the probes report."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
@@ -61,11 +60,6 @@ class Watcher:
         if idle > self._stall_after:
             return Verdict(False, f"the relay loop has made no progress for {idle:.0f}s")
         return Verdict(True, "ok")
-
-    async def run(self) -> None:
-        while True:
-            await self.run_once()
-            await asyncio.sleep(READINESS_INTERVAL)
 
     async def run_once(self) -> None:
         """Check readiness; refresh the gauges if they are due. Never raises for an outage."""

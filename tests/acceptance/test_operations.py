@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -239,3 +240,37 @@ async def test_logs_are_json_events_without_bodies_or_passwords(
         assert {"time", "level", "logger", "message"} <= set(record)
     assert "BODY-MARKER" not in proc.output
     assert "sup3rsecret" not in proc.output
+
+
+async def test_a_failing_gauge_query_is_retried_loudly_and_never_stops_relaying(
+    database_url: str, amqp_url: str, broker: Broker
+) -> None:
+    # The gauges' query fails with an error that is no outage (a table only it reads is gone):
+    # the watcher must say so, keep trying, and come back by itself; the relay relays throughout
+    # and stays live (restarting it would fix nothing).
+    await broker.declare(binding="ok")
+    env = clean_env(
+        OUTBOX_DATABASE_URL=database_url,
+        OUTBOX_AMQP_URL=amqp_url,
+        OUTBOX_STATS_INTERVAL="0.2",
+        OUTBOX_POLL_INTERVAL="0.2",
+    )
+    with RelayProcess(env) as proc, psycopg.connect(database_url, autocommit=True) as owner:
+        base = endpoint(proc)
+        proc.wait_ready()
+        owner.execute("ALTER TABLE outbox.blocked_keys RENAME TO blocked_elsewhere")
+        line = proc.wait_for("chore watcher failed")
+        assert "ERROR" in line or '"level": "ERROR"' in line
+        enqueue(database_url, broker.exchange, "ok")
+        assert len(await broker.collect(1)) == 1  # relaying goes on
+        assert get(base + "/livez")[0] == 200
+        assert (value(scrape(base), "outbox_chore_errors_total", chore="watcher") or 0) >= 1
+        owner.execute("ALTER TABLE outbox.blocked_elsewhere RENAME TO blocked_keys")
+        with psycopg.connect(database_url) as conn:  # something only a fresh observation shows
+            relay.enqueue(conn, broker.exchange, "ok", b"later", available_at=timedelta(hours=1))
+
+        def scheduled_seen() -> bool:
+            return value(scrape(base), "outbox_messages", state="scheduled") == 1
+
+        until(scheduled_seen, timeout=30, interval=0.1, message="the gauges to come back")
+        assert proc.stop() == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import socket
 import threading
 import time
 from urllib.parse import urlsplit
@@ -300,3 +301,42 @@ async def test_row_that_kills_its_relay_is_buried_and_spares_the_others(
     assert max(archived.values()) <= 2, "an innocent paid for the poison row"
     got = await broker.collect(20, settle=0.3, distinct=True)
     assert {g.message_id for g in got} == set(innocents)
+
+
+def free_port_pair() -> int:
+    """A port that is free, with the next one free too (for the second replica to fall back to)."""
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = int(first.getsockname()[1])
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
+    raise AssertionError("no two adjacent free ports")
+
+
+async def test_two_replicas_on_one_host_with_the_same_settings_both_relay(
+    database_url: str, amqp_url: str, broker: Broker
+) -> None:
+    # Two relays under systemd with one environment file: the second finds the metrics port
+    # taken. It must relay all the same, and say in one line where its metrics went.
+    await broker.declare()
+    port = free_port_pair()
+    env = relay_env(database_url, amqp_url, OUTBOX_METRICS_PORT=str(port))
+    with RelayProcess(env) as first:
+        first.wait_ready()
+        with RelayProcess(env) as second:
+            second.wait_ready()
+            moved = second.wait_for(f"port {port} is in use")
+            assert f"127.0.0.1:{port + 1}" in moved or f":{port + 1}/metrics" in moved, moved
+            ids = enqueue_many(database_url, broker.exchange, 400)
+            wait_archived(database_url, 400)
+            assert second.stop() == 0, second.output
+        assert first.stop() == 0, first.output
+    got = await broker.collect(400, distinct=True)
+    assert {g.message_id for g in got} == set(ids)
+    for relay_ in (first, second):
+        assert "ERROR" not in relay_.output

@@ -124,6 +124,9 @@ def test_sequence_checker_flags_gaps_and_reorders_not_redeliveries() -> None:
     assert check.observe(keyed("a", 3)) == Problem("a", "reorder", 5, 3)
     assert check.observe(keyed("b", 8)) is None
     assert check.observe(Fake({})) is None  # not keyed
+    # The outbox forgot "b" after its retention: numbering starts again, and is followed on.
+    assert check.observe(keyed("b", 1)) == Problem("b", "restart", 9, 1)
+    assert check.observe(keyed("b", 2)) is None
     assert str(Problem("a", "gap", 3, 4)) == "key 'a': gap, expected sequence 3, got 4"
 
 

@@ -171,6 +171,7 @@ BAD_ARGUMENTS = [
     ("'x', 'k', 'b'::bytea, properties => '{\"reply_to\": 5}'", "reply_to must be a string"),
     ("'x', 'k', 'b'::bytea, ordering_key => ''", "ordering_key must be 1 to 255 bytes"),
     ("'x', 'k', 'b'::bytea, available_at => 'infinity'", "available_at must be a finite time"),
+    ("'x', 'k', 'b'::bytea, available_at => '-infinity'", "available_at must be a finite time"),
 ]
 
 

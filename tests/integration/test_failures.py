@@ -15,6 +15,7 @@ import psycopg
 import pytest
 
 from relay.listener import Listener
+from relay.store import PgStore
 from tests.support.amqp import Broker
 from tests.support.inprocess import enqueue, query, running, settings_for, wait_for_count
 from tests.support.proxy import TcpProxy
@@ -321,3 +322,34 @@ async def test_network_cut_to_rabbitmq_is_survived(
 
 def _logged(caplog: pytest.LogCaptureFixture, text: str) -> bool:
     return any(text in record.getMessage() for record in caplog.records)
+
+
+async def test_a_claims_attempt_survives_a_postgres_crash_with_asynchronous_commits(
+    database_url: str, svc: Services
+) -> None:
+    # With OUTBOX_SYNCHRONOUS_COMMIT=false, a claim that PostgreSQL acknowledged before flushing
+    # it could vanish in a crash after its message was published: the next claim would then send
+    # it again under the same attempt number, and `attempts + ambiguous` would no longer bound
+    # the sends. The claim must be durable before anything is published.
+    if svc.database_ctl is None:
+        pytest.skip("needs a local PostgreSQL cluster to crash (pg_ctlcluster)")
+    ctl = svc.database_ctl
+    await enqueue(database_url, dict(exchange="x", routing_key="k", body=b"x"))
+    async with await psycopg.AsyncConnection.connect(svc.database_url, autocommit=True) as conn:
+        # Only commits that wait for the flush reach the disk within the next ten seconds.
+        await conn.execute("ALTER SYSTEM SET wal_writer_delay = '10s'")
+        await conn.execute("SELECT pg_reload_conf()")
+    try:
+        store = await PgStore.open(database_url, "outbox", "crash", synchronous_commit=False)
+        try:
+            claim = await store.claim(10, lease=60)
+            assert [m.attempts for m in claim.messages] == [1]  # …and it is being published
+            await asyncio.to_thread(ctl, "stop", "-m", "immediate")  # PostgreSQL crashes
+            await asyncio.to_thread(ctl, "start")
+        finally:
+            await store.close()
+        assert await scalar(database_url, "SELECT attempts FROM outbox.messages") == 1
+    finally:
+        async with await psycopg.AsyncConnection.connect(svc.database_url, autocommit=True) as c:
+            await c.execute("ALTER SYSTEM RESET wal_writer_delay")
+            await c.execute("SELECT pg_reload_conf()")

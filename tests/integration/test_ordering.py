@@ -135,6 +135,8 @@ def test_a_producer_racing_the_settle_of_its_predecessor_is_never_stranded(
 ) -> None:
     # The one race the design must close: a producer sees the head still pending (so its row is
     # gated) while a relay is settling that head, and the relay cannot see the producer's row.
+    # The producer must not wait for the relay: its commit queues a recheck, which a relay
+    # decides once the settle is over.
     with psycopg.connect(database_url) as conn:
         relay.enqueue(conn, "x", "k", b"head", ordering_key="raced")
         conn.commit()
@@ -144,14 +146,18 @@ def test_a_producer_racing_the_settle_of_its_predecessor_is_never_stranded(
         settler.execute(SETTLE_HEAD)  # deleted, nothing released (the successor is not visible)
         relay.enqueue(producer, "x", "k", b"next", ordering_key="raced")  # sees the head: gated
         committing = threading.Thread(target=producer.commit)
-        committing.start()  # its commit-time check waits for the settler's transaction…
-        committing.join(0.3)
-        assert committing.is_alive()
-        settler.commit()  # …and then finds the head gone, and releases its own row
-        committing.join(10)
+        committing.start()
+        committing.join(5)
+        assert not committing.is_alive()  # it did not wait for the settler's transaction
+        assert rows(database_url, "SELECT ordering_key, seq FROM outbox.key_checks") == [
+            ("raced", 2)
+        ]
+        settler.commit()
     finally:
         settler.close()
         producer.close()
+    assert rows(database_url, "SELECT seq, gated FROM outbox.messages") == [(2, True)]
+    assert rows(database_url, "SELECT * FROM outbox.release_stranded(10)") == [(1, 1)]
     assert rows(database_url, "SELECT seq, gated FROM outbox.messages") == [(2, False)]
 
 

@@ -125,6 +125,43 @@ def test_producer_can_enqueue_and_nothing_else(secured: Secured) -> None:
         forbidden(producer, statement)
 
 
+def FORGERIES(q: str) -> tuple[str, ...]:  # a constant table, spelt as one
+    """What a relay's login must not do to a waiting message, a key or a dead letter: rewrite
+    what will be published or where, reorder a key, or make up a message (a forged dead row
+    would become a real one on `dead replay --all`)."""
+    return (
+        *(
+            f"UPDATE {q}.messages SET {column}"
+            for column in (
+                "body = 'forged'",
+                "exchange = 'elsewhere'",
+                "routing_key = 'elsewhere'",
+                "headers = '{}'",
+                "properties = '{}'",
+                "message_id = gen_random_uuid()",
+                "ordering_key = 'other'",
+                "seq = 1",
+                "gated = false",
+                "replays = 0",
+                "created_at = now()",
+            )
+        ),
+        f"DELETE FROM {q}.messages",
+        f"UPDATE {q}.keys SET last_seq = 0",
+        f"DELETE FROM {q}.keys",
+        f"INSERT INTO {q}.dead (message_id, exchange, routing_key, body, headers, properties, "
+        "attempts, reason, created_at) "
+        "VALUES (gen_random_uuid(), 'x', 'y', 'forged', '{}', '{}', 1, 'r', now())",
+        f"INSERT INTO {q}.archive (message_id, exchange, routing_key, body, headers, properties, "
+        "attempts, created_at) VALUES (gen_random_uuid(), 'x', 'y', '', '{}', '{}', 1, now())",
+        f"INSERT INTO {q}.blocked_keys (ordering_key, message_id, seq, reason) "
+        "VALUES ('k', gen_random_uuid(), 1, 'r')",
+        f"DELETE FROM {q}.blocked_keys",
+        f"SELECT {q}._keys_settled(array['k'], array[1::bigint], array[NULL::text], "
+        "array[gen_random_uuid()])",
+    )
+
+
 async def test_relay_role_relays_and_nothing_else(secured: Secured, broker: Broker) -> None:
     s = secured
     await broker.declare(binding="r.#")
@@ -145,6 +182,7 @@ async def test_relay_role_relays_and_nothing_else(secured: Secured, broker: Brok
     for statement in (
         f"INSERT INTO {q}.messages (message_id, exchange, routing_key, body) "
         "VALUES (gen_random_uuid(), 'x', 'y', '')",
+        *FORGERIES(q),
         f"SELECT {q}.enqueue('x', 'y', ''::bytea)",
         f"UPDATE {q}.settings SET max_body_bytes = 0",
         f"DELETE FROM {q}.dead",

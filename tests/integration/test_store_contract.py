@@ -194,10 +194,12 @@ async def test_resent_rows_count_one_more_ambiguous_send(harness: Harness) -> No
 async def test_expired_lease_makes_an_orphan_and_fences_the_old_claim(harness: Harness) -> None:
     message_id = await harness.add()
     first = await harness.store.claim(10, lease=0.3)
-    assert (await harness.store.claim_orphans(10, lease=30)).messages == ()  # still leased
+    assert (
+        await harness.store.claim_orphans(10, lease=30, max_attempts=10)
+    ).messages == ()  # still leased
     await harness.advance(0.3)
     assert (await harness.store.claim(10, lease=30)).messages == ()  # orphans are not for claim()
-    second = await harness.store.claim_orphans(10, lease=30)
+    second = await harness.store.claim_orphans(10, lease=30, max_attempts=10)
     assert [(m.message_id, m.attempts) for m in second.messages] == [(message_id, 2)]
     (row,) = second.messages
     late = await harness.store.settle(first.claim_id, model.Settlement(archive=(row.id,)))
@@ -209,7 +211,7 @@ async def test_expired_lease_makes_an_orphan_and_fences_the_old_claim(harness: H
 
 async def test_claim_orphans_takes_only_orphans(harness: Harness) -> None:
     await harness.add("healthy")
-    assert (await harness.store.claim_orphans(10, lease=30)).messages == ()
+    assert (await harness.store.claim_orphans(10, lease=30, max_attempts=10)).messages == ()
     assert [m.routing_key for m in (await harness.store.claim(10, lease=30)).messages] == [
         "healthy"
     ]
@@ -219,10 +221,30 @@ async def test_heartbeat_keeps_a_lease_and_only_for_its_claim(harness: Harness) 
     await harness.add()
     claim = await harness.store.claim(10, lease=0.4)
     ids = [m.id for m in claim.messages]
-    assert await harness.store.extend(claim.claim_id, ids, lease=30) == 1
+    assert await harness.store.extend(claim.claim_id, ids, lease=30) == frozenset(ids)
     await harness.advance(0.4)
-    assert (await harness.store.claim_orphans(10, lease=30)).messages == ()  # renewed: not orphaned
-    assert await harness.store.extend(uuid.uuid4(), ids, lease=30) == 0  # someone else's claim
+    renewed = await harness.store.claim_orphans(10, lease=30, max_attempts=10)
+    assert renewed.messages == ()  # not orphaned
+    assert await harness.store.extend(uuid.uuid4(), ids, lease=30) == frozenset()  # not its claim
+
+
+async def test_extend_names_only_the_rows_the_claim_still_holds(harness: Harness) -> None:
+    for _ in range(2):
+        await harness.add()
+    first = await harness.store.claim(10, lease=0.3)
+    ids = sorted(m.id for m in first.messages)
+    await harness.advance(0.3)
+    taken = await harness.store.claim_orphans(1, lease=30, max_attempts=10)  # one is taken over
+    (lost,) = [m.id for m in taken.messages]
+    assert await harness.store.extend(first.claim_id, ids, lease=30) == frozenset(ids) - {lost}
+
+
+async def test_orphans_out_of_attempts_are_left_to_bury(harness: Harness) -> None:
+    await harness.add()
+    await harness.store.claim(10, lease=0.2)
+    await harness.advance(0.2)
+    assert (await harness.store.claim_orphans(10, lease=30, max_attempts=1)).messages == ()
+    assert len(await harness.store.bury_exhausted(max_attempts=1)) == 1
 
 
 async def test_exhausted_orphans_are_buried_unread(harness: Harness) -> None:
@@ -230,10 +252,14 @@ async def test_exhausted_orphans_are_buried_unread(harness: Harness) -> None:
     spared = await harness.add("spared")
     await harness.store.claim(10, lease=0.2)
     await harness.advance(0.2)
-    await harness.store.claim_orphans(10, lease=0.2)  # both claimed twice, never settled
+    await harness.store.claim_orphans(
+        10, lease=0.2, max_attempts=10
+    )  # both claimed twice, never settled
     await harness.advance(0.2)
     assert await harness.store.bury_exhausted(max_attempts=3) == []  # not yet exhausted
-    claim = await harness.store.claim_orphans(10, lease=0.3)  # both now leased a third time
+    claim = await harness.store.claim_orphans(
+        10, lease=0.3, max_attempts=10
+    )  # both now leased a third time
     (spared_row,) = [m for m in claim.messages if m.message_id == spared]
     await harness.store.settle(claim.claim_id, model.Settlement(archive=(spared_row.id,)))
     assert await harness.store.bury_exhausted(max_attempts=3) == []  # doomed is still leased
@@ -254,22 +280,42 @@ async def test_stats_count_each_state(harness: Harness) -> None:
     assert 0 <= stats.oldest_pending_age_seconds < 60
 
 
-@pytest.mark.parametrize("synchronous", [False, True])
-async def test_relay_sessions_wait_for_the_wal_flush_only_when_asked(
-    database_url: str, synchronous: bool
+async def test_relay_sessions_claim_durably_and_read_committed_data_whatever_the_defaults(
+    database_url: str,
 ) -> None:
-    store = await PgStore.open(database_url, "outbox", "t", synchronous_commit=synchronous)
+    # A server (here: a database) that does not wait for the WAL flush and hands out older
+    # snapshots by default: the relay's claims must be durable before anything is published, and
+    # the key gate's decisions rest on what is committed when each statement runs.
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        name = conn.info.dbname
+        conn.execute(f'ALTER DATABASE "{name}" SET synchronous_commit = off')
+        conn.execute(
+            f"ALTER DATABASE \"{name}\" SET default_transaction_isolation = 'repeatable read'"
+        )
+    store = await PgStore.open(database_url, "outbox", "t", synchronous_commit=False)
     try:
-        # Every connection of the pool, old and new, carries the setting.
         async with store._connection() as first, store._connection() as second:
-            for conn in (first, second):
-                cur = await conn.execute("SHOW synchronous_commit")
-                assert await cur.fetchone() == ("on" if synchronous else "off",)
+            for pooled in (first, second):  # every connection of the pool, old and new
+                cur = await pooled.execute(
+                    "SELECT current_setting('synchronous_commit'),"
+                    " current_setting('default_transaction_isolation')"
+                )
+                assert await cur.fetchone() == ("on", "read committed")
     finally:
         await store.close()
-    # Other sessions keep the server's default.
-    with psycopg.connect(database_url) as other:
-        assert other.execute("SHOW synchronous_commit").fetchone() == ("on",)
+
+
+@pytest.mark.parametrize(("durable", "commits"), [(False, "off"), (True, "on")])
+def test_a_settle_waits_for_the_flush_only_when_asked(
+    database_url: str, durable: bool, commits: str
+) -> None:
+    with psycopg.connect(database_url) as conn:
+        conn.execute(
+            "SELECT outbox.settle(gen_random_uuid(), '{}', '{}', '{}', '{}', '{}', '{}', '{}',"
+            " '{}', '{}', '{}', %s)",
+            [durable],
+        )
+        assert conn.execute("SHOW synchronous_commit").fetchone() == (commits,)
 
 
 async def test_observation_tells_whether_autovacuum_runs_for_the_queue(database_url: str) -> None:

@@ -94,9 +94,11 @@ class MemoryStore:
         self._enter("claim")
         return self._lease(lambda r: r.claim_id is None, limit, lease, self.batch_max_bytes)
 
-    async def claim_orphans(self, limit: int, lease: float) -> model.Claim:
+    async def claim_orphans(self, limit: int, lease: float, max_attempts: int) -> model.Claim:
         self._enter("claim_orphans")
-        return self._lease(lambda r: r.claim_id is not None, limit, lease)
+        return self._lease(
+            lambda r: r.claim_id is not None and r.attempts < max_attempts, limit, lease
+        )
 
     def _lease(
         self, which: Callable[[Row], bool], limit: int, lease: float, budget: int | None = None
@@ -134,12 +136,16 @@ class MemoryStore:
             self.dead.append(Settled(self.rows.pop(row.id), "max_attempts", "never settled"))
         return [(r.message_id, r.attempts) for r in doomed]
 
-    async def extend(self, claim_id: UUID, ids: Sequence[int], lease: float) -> int:
+    async def extend(self, claim_id: UUID, ids: Sequence[int], lease: float) -> frozenset[int]:
         self._enter("extend")
         rows = [self.rows[i] for i in ids if i in self.rows and self.rows[i].claim_id == claim_id]
         for row in rows:
             row.available_at = self.now + timedelta(seconds=lease)
-        return len(rows)
+        return frozenset(row.id for row in rows)
+
+    async def release_stranded(self) -> int:
+        self._enter("release_stranded")
+        return 0  # no ordering keys here
 
     async def settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:
         self._enter("settle")
@@ -218,7 +224,8 @@ class ScriptedPublisher:
     """ports.Publisher whose outcome for each message is decided by `script`.
     `down` > 0 makes that many connect() calls raise BrokerUnavailable; `blocked` stands for a
     broker alarm; with `gate` set, publish() waits for the gate (the broker's confirms) or for
-    its `abort`, which turns everything still unconfirmed AMBIGUOUS."""
+    its `abort`, which turns everything still unconfirmed AMBIGUOUS. Like the real one, it sends
+    nothing unless `still_held` says the lease is still the relay's (then: UNSENT)."""
 
     def __init__(self, script: Script = acked) -> None:
         self.script = script
@@ -239,8 +246,13 @@ class ScriptedPublisher:
         await self.unblocked.wait()
 
     async def publish(
-        self, messages: Sequence[model.OutboxMessage], abort: asyncio.Event | None = None
+        self,
+        messages: Sequence[model.OutboxMessage],
+        abort: asyncio.Event | None = None,
+        still_held: Callable[[], bool] | None = None,
     ) -> list[model.PublishResult]:
+        if still_held is not None and not still_held():
+            return [model.PublishResult(model.Outcome.UNSENT, "lease not held") for _ in messages]
         self.batches += 1
         self.published.extend(messages)
         self.publishing.set()

@@ -27,7 +27,7 @@ class Services:
     database_url: str  # a superuser connection to a maintenance database (creates test databases)
     amqp_url: str
     broker_ctl: Callable[..., str]  # runs `rabbitmqctl ARGS…` wherever the broker lives
-    database_ctl: Callable[[str], None] | None  # `pg_ctlcluster … VERB` for a local cluster
+    database_ctl: Callable[..., None] | None  # `pg_ctlcluster … VERB [OPTIONS]`, a local cluster
 
     def with_database(self, name: str) -> str:
         """The admin URL pointed at database `name`."""
@@ -66,16 +66,16 @@ def _docker_works() -> bool:
     return probe.returncode == 0
 
 
-def _local_pg_ctlcluster() -> Callable[[str], None] | None:
+def _local_pg_ctlcluster() -> Callable[..., None] | None:
     """Control of the machine's own PostgreSQL cluster, if it has one (Debian's layout)."""
     versions = sorted(Path("/etc/postgresql").glob("*/main"))
     if not versions or shutil.which("pg_ctlcluster") is None:
         return None
     version = versions[-1].parent.name
 
-    def ctl(verb: str) -> None:
+    def ctl(verb: str, *options: str) -> None:
         subprocess.run(
-            ["pg_ctlcluster", "--skip-systemctl-redirect", version, "main", verb],
+            ["pg_ctlcluster", "--skip-systemctl-redirect", version, "main", verb, *options],
             check=True,
             capture_output=True,
             timeout=120,

@@ -74,6 +74,21 @@ def test_secrets_never_appear_in_the_settings_repr() -> None:
         ("x amqp://guest:gu@st@h:5/ y", "x amqp://guest:***@h:5/ y"),
         ("postgresql://h/db and amqps://a:b@c/", "postgresql://h/db and amqps://a:***@c/"),
         ("no url here", "no url here"),
+        # libpq's key/value form, quoted or not, and the password as a URL parameter
+        (
+            "host=db user=relay password=s3cret dbname=app",
+            "host=db user=relay password=*** dbname=app",
+        ),
+        ("password = 's3 cr\\'et' host=db", "password = *** host=db"),
+        ("host=db PASSWORD=s3cret", "host=db PASSWORD=***"),
+        (
+            "postgresql://relay@db/app?sslmode=require&password=s3cret",
+            "postgresql://relay@db/app?sslmode=require&password=***",
+        ),
+        ("postgresql:///app?password=s3cret&host=db", "postgresql:///app?password=***&host=db"),
+        ("postgresql://relay@db/app?password=s3%40cret", "postgresql://relay@db/app?password=***"),
+        ("a password of 3 words", "a password of 3 words"),
+        ("host=db sslpassword=keypass sslkey=/k", "host=db sslpassword=*** sslkey=/k"),
     ],
 )
 def test_redaction(text: str, expected: str) -> None:

@@ -82,7 +82,7 @@ async def test_a_cancelled_pruner_stops_its_run_after_the_batch() -> None:
         stop.wait(10)  # a batch loop that checks `stop` between batches
         return 0
 
-    task = asyncio.create_task(Pruner(prune, 3600, metrics.Metrics()).run())
+    task = asyncio.create_task(Pruner(prune, 3600, metrics.Metrics()).run_once())
     await asyncio.to_thread(started.wait, 10)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

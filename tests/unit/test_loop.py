@@ -111,7 +111,7 @@ async def test_row_whose_relays_keep_dying_is_buried_without_publishing() -> Non
     await store.claim(10, lease=5.0)  # a relay claims it, then dies
     for _ in range(2):
         store.advance(5.0)
-        await store.claim_orphans(1, lease=5.0)  # another claims the orphan, and dies too
+        await store.claim_orphans(1, lease=5.0, max_attempts=10)  # another claims it, and dies
     store.advance(5.0)
     report = await relay_for(store, publisher, max_attempts=3).run_once()
     assert publisher.published == []
@@ -139,9 +139,11 @@ async def test_orphans_are_published_one_at_a_time_after_the_batch() -> None:
     batches: list[list[str]] = []
     real_publish = publisher.publish
 
-    async def recording(messages: Any, abort: Any = None) -> list[model.PublishResult]:
+    async def recording(
+        messages: Any, abort: Any = None, still_held: Any = None
+    ) -> list[model.PublishResult]:
         batches.append([m.routing_key for m in messages])
-        return await real_publish(messages, abort)
+        return await real_publish(messages, abort, still_held)
 
     publisher.publish = recording  # type: ignore[method-assign]
     report = await relay_for(store, publisher).run_once()
@@ -199,13 +201,16 @@ async def test_heartbeat_renews_the_lease_while_the_broker_is_slow() -> None:
     store, publisher = MemoryStore(), ScriptedPublisher()
     row = store.add()
     publisher.gate = asyncio.Event()
-    stalled = asyncio.create_task(relay_for(store, publisher, lease=0.06).run_once())
+    relay = relay_for(store, publisher, lease=0.06)
+    beating = asyncio.create_task(relay.heartbeat.run())  # as run() and run_until_empty() do
+    stalled = asyncio.create_task(relay.run_once())
     await asyncio.wait_for(publisher.publishing.wait(), 5)
     first = row.available_at
     store.advance(0.05)  # most of the lease passes…
     await _until(lambda: row.available_at > first)  # …and a beat renews it from the new "now"
     publisher.gate.set()
     assert (await asyncio.wait_for(stalled, 5)).settled.archived == 1
+    beating.cancel()
 
 
 async def test_stop_gives_unconfirmed_rows_back_at_once_after_the_grace() -> None:
@@ -319,6 +324,7 @@ async def test_heartbeat_renews_the_batch_claimed_ahead_too() -> None:
     rows = [store.add() for _ in range(4)]
     publisher.gate = asyncio.Event()
     relay = relay_for(store, publisher, batch_size=2, lease=0.06, prefetch=True)
+    beating = asyncio.create_task(relay.heartbeat.run())  # as run() and run_until_empty() do
     stalled = asyncio.create_task(relay.run_once())
     await asyncio.wait_for(publisher.publishing.wait(), 5)
     await _until(lambda: rows[3].claim_id is not None)
@@ -327,6 +333,7 @@ async def test_heartbeat_renews_the_batch_claimed_ahead_too() -> None:
     await _until(lambda: rows[3].available_at > ahead)
     publisher.gate.set()
     await asyncio.wait_for(stalled, 5)
+    beating.cancel()
     assert (await relay.run_until_empty()).settled.archived == 2
     assert len(store.archive) == 4
 
@@ -336,7 +343,7 @@ async def test_blocked_broker_gives_back_the_batch_claimed_ahead() -> None:
     rows = [store.add() for _ in range(20)]
     relay = relay_for(store, publisher, batch_size=10, prefetch=True)
     await relay.run_once()
-    assert rows[19].claim_id is not None
+    await _until(lambda: rows[19].claim_id is not None)  # claimed ahead, in the background
     publisher.blocked = True
     assert (await relay.run_once()).blocked
     assert all(r.claim_id is None and r.attempts == 0 for r in rows[10:])
