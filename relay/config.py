@@ -164,7 +164,8 @@ class Settings(_Database):
         10.0,
         gt=0,
         description="How long a claim holds its rows unless renewed; a dead relay's rows return "
-        "after it (seconds). Renewed every third of it while a batch is in flight.",
+        "after it (seconds). A relay renews what it holds every third of it, and publishes only "
+        "within 90% of it from its last claim or renewal.",
     )
     confirm_timeout: Duration = Field(
         10.0, gt=0, description="How long a batch waits for publisher confirms (seconds)."

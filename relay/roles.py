@@ -38,8 +38,9 @@ def names(schema: str) -> Roles:
     return Roles(producer, relay, operator)
 
 
-#: Where roles.sql's grants start: `migrate` applies only what follows (it never takes away).
-_GRANTS = "-- grants --"
+#: The line where roles.sql's grants start: `migrate` applies only what follows (it never takes
+#: away); the line alone, so that a mention of it elsewhere in the file cannot count.
+_GRANTS = "\n-- grants --\n"
 
 
 def grants(schema: str, *, revoke: bool = True) -> LiteralString:

@@ -139,10 +139,13 @@ $$;
 -- Relays call this in the transaction that settles keyed rows. It now first locks the blocks of
 -- the settled keys that exist (FOR KEY SHARE): an operator's release in flight is waited for and
 -- then seen, and a release that starts later waits for this transaction and then sees the settle.
+-- It runs as the owner: relays of the previous release call it with their own rights during a
+-- rolling upgrade, and a row lock needs a right on blocked_keys their role never had.
 CREATE OR REPLACE FUNCTION _keys_settled(p_keys text[], p_seqs bigint[], p_reasons text[],
                                          p_message_ids uuid[], OUT released integer,
                                          OUT blocked integer)
 LANGUAGE plpgsql
+SECURITY DEFINER
 SET search_path FROM CURRENT
 AS $$
 DECLARE

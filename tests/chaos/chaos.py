@@ -4,11 +4,14 @@
     .venv/bin/python tests/chaos/chaos.py --messages 100000 --kills 50 --rate 1000   # long form
 
 Three `outbox-relay run` processes share one outbox while producers commit messages from
-several connections in transactions of 1 to 50 rows, about one in ten rolled back. Every
+several connections in transactions of 1 to 50 rows, about one in ten rolled back; some write to
+several ordering keys at once, and one producer runs at REPEATABLE READ (retrying on 40001). Every
 `--kill-every` seconds a random relay is SIGKILLed and restarted; the broker is restarted at a
 third of the run; every relay database session is terminated at two thirds. Then the queue is
 drained and every figure printed. Duplicates are allowed only where a message's archive row
 shows the sends that explain them (claims and ambiguous re-sends): a copy beyond that is a bug.
+Over every copy that arrives (not only first arrivals): a message's `x-outbox-attempt` never goes
+down from one copy to the next, and no keyed message arrives after its successor did.
 Services come from OUTBOX_TEST_DATABASE_URL / OUTBOX_TEST_AMQP_URL (default: the local ones).
 """
 
@@ -23,9 +26,10 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import aio_pika
 import psycopg
@@ -66,6 +70,10 @@ class Report:
     unexplained: int = 0  # copies beyond what the archive row's sends explain
     keyed: int = 0  # distinct keyed messages delivered
     out_of_order: int = 0  # keys whose first arrivals were not numbered 1, 2, 3…
+    overtaken: int = 0  # copies of a keyed message that arrived after its successor
+    regressed: int = 0  # copies carrying a lower attempt number than an earlier copy
+    multi_key: int = 0  # committed transactions that wrote to several keys
+    serialization_retries: int = 0  # REPEATABLE READ transactions retried after a 40001
     left_in_messages: int = 0
     archived: int = 0
     dead: int = 0
@@ -83,6 +91,8 @@ class Report:
             and self.strangers == 0
             and self.unexplained == 0
             and self.out_of_order == 0
+            and self.overtaken == 0
+            and self.regressed == 0
             and self.left_in_messages == 0
             and self.archived == self.committed
             and self.dead == 0
@@ -101,6 +111,10 @@ class Report:
             f"  unexplained by sends     {self.unexplained}  (must be 0)",
             f"keyed (50 keys)            {self.keyed}",
             f"  keys out of order        {self.out_of_order}  (must be 0)",
+            f"  copies after a successor {self.overtaken}  (must be 0)",
+            f"attempt lower than before  {self.regressed}  (must be 0)",
+            f"multi-key transactions     {self.multi_key}",
+            f"40001 retries (REP. READ)  {self.serialization_retries}",
             f"rows left in messages      {self.left_in_messages}  (must be 0)",
             f"archived                   {self.archived}  (must equal committed)",
             f"dead                       {self.dead}  (must be 0)",
@@ -119,6 +133,8 @@ class Producers:
     def __init__(self, url: str, exchange: str, plan: Plan) -> None:
         self.committed: set[str] = set()
         self.rolled_back: set[str] = set()
+        self.multi_key = 0
+        self.retries = 0
         self.errors: list[Exception] = []
         self._lock = threading.Lock()
         self._url, self._exchange, self._plan = url, exchange, plan
@@ -156,6 +172,8 @@ class Producers:
     def _produce(self, n: int) -> None:
         rng = random.Random(n)
         with psycopg.connect(self._url) as conn:
+            if n == 0:  # one producer at REPEATABLE READ: keyed enqueues may fail with 40001
+                conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
             while True:
                 with self._lock:
                     if len(self.committed) >= self._plan.messages:
@@ -165,25 +183,42 @@ class Producers:
                 if ahead > 0:
                     time.sleep(ahead / self._plan.messages_per_second)  # keep to the planned rate
                     continue
-                size = rng.randint(1, 50)
-                # Half the transactions write to one of 50 ordering keys.
-                key = f"chaos-{rng.randrange(50)}" if rng.random() < 0.5 else None
-                ids = [
-                    str(
-                        relay.enqueue(
-                            conn, self._exchange, f"p{n}", {"producer": n, "i": i}, ordering_key=key
-                        )
+                self._transaction(conn, n, rng)
+
+    def _transaction(self, conn: psycopg.Connection[Any], n: int, rng: random.Random) -> None:
+        """One transaction of 1–50 messages: half of them to ordering keys (one key, or, one in
+        four, several keys taken in sorted order), about one in ten rolled back."""
+        size = rng.randint(1, 50)
+        keys: Sequence[str | None] = [None]
+        if rng.random() < 0.5:
+            keys = sorted(f"chaos-{k}" for k in rng.sample(range(50), rng.choice([1, 1, 1, 2, 3])))
+        try:
+            ids = [
+                str(
+                    relay.enqueue(
+                        conn,
+                        self._exchange,
+                        f"p{n}",
+                        {"producer": n, "i": i},
+                        ordering_key=keys[i * len(keys) // size],
                     )
-                    for i in range(size)
-                ]
-                if rng.random() < 0.1:
-                    conn.rollback()
-                    with self._lock:
-                        self.rolled_back.update(ids)
-                else:
-                    conn.commit()
-                    with self._lock:
-                        self.committed.update(ids)
+                )
+                for i in range(size)
+            ]
+            if rng.random() < 0.1:
+                conn.rollback()
+                with self._lock:
+                    self.rolled_back.update(ids)
+                return
+            conn.commit()
+        except psycopg.errors.SerializationFailure:
+            conn.rollback()  # the application retries its transaction (never the outbox's fault
+            with self._lock:  # at READ COMMITTED; README, Isolation levels)
+                self.retries += 1
+            return
+        with self._lock:
+            self.committed.update(ids)
+            self.multi_key += len(keys) > 1
 
 
 class Relays:
@@ -226,7 +261,7 @@ async def _declare(amqp_url: str, name: str) -> None:
         await queue.bind(exchange, "#")
 
 
-Arrival = tuple[str, str | None, int | None]  # message_id, ordering key, sequence
+Arrival = tuple[str, str | None, int | None, int]  # message_id, ordering key, sequence, attempt
 
 
 async def _drain(amqp_url: str, name: str, expected: set[str]) -> list[Arrival]:
@@ -251,7 +286,8 @@ async def _drain(amqp_url: str, name: str, expected: set[str]) -> list[Arrival]:
                 await message.ack()
                 key = message.headers.get("x-outbox-ordering-key")
                 seq = message.headers.get("x-outbox-sequence")
-                received.append((str(message.message_id), key, seq))  # type: ignore[arg-type]
+                attempt = message.headers.get("x-outbox-attempt")
+                received.append((str(message.message_id), key, seq, attempt))  # type: ignore[arg-type]
                 seen.add(received[-1][0])
                 last = time.monotonic()
         await channel.queue_delete(name)
@@ -350,8 +386,11 @@ def _disrupt(
 
 
 def _tally(report: Report, url: str, producers: Producers, received: list[Arrival]) -> None:
-    copies = collections.Counter(m for m, _, _ in received)
+    copies = collections.Counter(m for m, _, _, _ in received)
     report.keyed, report.out_of_order = _order(received)
+    report.overtaken, report.regressed = _every_copy(received)
+    report.multi_key = producers.multi_key
+    report.serialization_retries = producers.retries
     committed = producers.committed
     report.committed = len(committed)
     report.rolled_back = len(producers.rolled_back)
@@ -375,12 +414,27 @@ def _order(received: list[Arrival]) -> tuple[int, int]:
     first arrival (copies may repeat), must be numbered 1, 2, 3… with nothing skipped."""
     firsts: dict[str, list[int]] = collections.defaultdict(list)
     seen: set[str] = set()
-    for message_id, key, seq in received:
+    for message_id, key, seq, _ in received:
         if key is not None and seq is not None and message_id not in seen:
             firsts[key].append(seq)
         seen.add(message_id)
     broken = sum(seqs != list(range(1, len(seqs) + 1)) for seqs in firsts.values())
     return sum(len(seqs) for seqs in firsts.values()), broken
+
+
+def _every_copy(received: list[Arrival]) -> tuple[int, int]:
+    """Over every copy, in arrival order: how many keyed copies arrived after their successor
+    had, and how many carried a lower attempt number than an earlier copy of the same message."""
+    highest: dict[str, int] = {}
+    attempts: dict[str, int] = {}
+    overtaken = regressed = 0
+    for message_id, key, seq, attempt in received:
+        if key is not None and seq is not None:
+            overtaken += seq < highest.get(key, 0)
+            highest[key] = max(seq, highest.get(key, 0))
+        regressed += attempt < attempts.get(message_id, 0)
+        attempts[message_id] = max(attempt, attempts.get(message_id, 0))
+    return overtaken, regressed
 
 
 def main() -> None:

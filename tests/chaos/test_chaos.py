@@ -22,6 +22,9 @@ def test_chaos_short_form(svc: Services) -> None:
     assert report.unexplained == 0
     assert report.keyed > 1000
     assert report.out_of_order == 0
+    assert report.overtaken == 0
+    assert report.regressed == 0
+    assert report.multi_key > 10
     assert report.left_in_messages == 0
     assert report.archived == report.committed >= 3000
     assert report.dead == 0

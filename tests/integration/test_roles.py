@@ -178,6 +178,7 @@ async def test_relay_role_relays_and_nothing_else(secured: Secured, broker: Brok
         proc.wait_for("no due rows left")
         assert proc.stop() == 0, proc.output
     assert (count(s, "messages"), count(s, "archive"), count(s, "dead")) == (0, 5, 1)
+    assert '"level": "ERROR"' not in proc.output  # no chore lacked a right (keys, watcher, …)
     q = f'"{s.schema}"'
     for statement in (
         f"INSERT INTO {q}.messages (message_id, exchange, routing_key, body) "

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from relay import errors, sql
+from relay import errors, roles, sql
 
 
 def test_every_query_is_loaded_and_bound_to_the_schema() -> None:
@@ -32,3 +32,13 @@ def test_parse_splits_on_name_headers_and_drops_comments() -> None:
 def test_unsafe_schema_never_reaches_sql(schema: str) -> None:
     with pytest.raises(errors.ConfigError):
         sql.load(schema)
+
+
+def test_migrate_grants_roles_sql_without_taking_anything_away() -> None:
+    # Relays of the previous release keep their rights through a rolling upgrade: `migrate`
+    # applies only roles.sql's grants; `outbox-relay roles` applies the whole file.
+    additive = roles.grants("outbox", revoke=False)
+    assert "REVOKE" not in additive.upper()
+    assert "GRANT EXECUTE" in additive
+    assert "GRANT USAGE" in additive
+    assert roles.grants("outbox").upper().count("REVOKE ALL") == 3

@@ -1,0 +1,163 @@
+"""The orders of events that once broke the protocol (issue 17's findings, and one found while
+fixing them), each replayed step by step in the interleaving world. Every case ends with the
+world's own checks: nothing sent that should not have been, and everything drained in order."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.interleavings.world import LEASE, World, reset
+
+
+@pytest.fixture
+def world(database_url: str) -> Iterator[World]:
+    reset(database_url)
+    here = World(database_url)
+    here.start_relay()
+    here.start_relay()
+    try:
+        yield here
+    finally:
+        here.close()
+
+
+def sent(world: World, key: str) -> list[tuple[int | None, int, str]]:
+    return [(s.seq, s.attempt, s.relay) for s in world.ledger.sends if s.key == key]
+
+
+def test_a_batch_claimed_ahead_is_given_back_when_the_broker_is_gone(world: World) -> None:
+    a, b = world.relays
+    world.commit_now(None, None, None, "k", "k", "k")
+    world.until(a, "publish")  # a full batch of three: a claims the next one ahead…
+    world.grant(world.first(a, "claim"))  # …which holds k#1
+    world.until(a, "connect")  # published and settled
+    a.broker_down = True
+    world.grant(world.first(a, "connect"))  # no broker: a gives k#1 back at once
+    world.until(a, "connect")
+    world.advance(LEASE * 1.1)
+    for _ in range(6):
+        world.until(b, "connect")
+        world.grant(world.first(b, "connect"))
+    a.broker_down = False
+    assert world.finish() == []
+    assert [seq for seq, _, _ in sent(world, "k")] == [1, 2, 3]
+
+
+def test_a_stale_claim_ahead_sends_nothing_after_its_rows_were_taken_over(world: World) -> None:
+    # Nothing renews a's claim ahead for a whole lease (no heartbeat step); b takes k#1 over as
+    # an orphan and sends it. a's next cycle finds its claim lost and must not send it too.
+    a, b = world.relays
+    world.commit_now(None, None, None, "k", "k", "k")
+    world.until(a, "publish")
+    world.grant(world.first(a, "claim"))  # the claim ahead: k#1
+    world.grant(world.first(a, "publish"), "ack")
+    world.advance(LEASE * 1.1)
+    for _ in range(3):  # b takes a's first batch over, one orphan at a time…
+        world.grant(world.until(b, "publish"), "ack")
+    world.advance(LEASE * 0.6)  # …and, at its next look for orphans, k#1
+    world.grant(world.until(b, "publish"), "ack")
+    world.until(a, "claim")  # a settles (fenced), takes its claim ahead: lost, so sends nothing
+    assert world.finish() == []
+    assert sent(world, "k")[0] == (1, 2, b.name)
+    assert all(relay != a.name for seq, _, relay in sent(world, "k") if seq == 1)
+
+
+def test_a_renewal_that_comes_too_late_does_not_make_a_late_send_safe(world: World) -> None:
+    a, _ = world.relays
+    world.commit_now(None, None)
+    world.until(a, "publish")
+    world.heartbeat(a)
+    world.advance(LEASE * 0.95)  # the renewal waits in the network past the claim's trust…
+    world.grant(world.first(a, "extend"))  # …and lands; the database extends the lease
+    world.grant(world.first(a, "publish"), "ack")  # but a may not assume it: it sends nothing
+    assert world.ledger.sends == []
+    assert world.finish() == []
+
+
+def test_a_recheck_waits_for_the_settle_it_was_queued_behind(world: World) -> None:
+    # Found while fixing the key gate: a producer commits k#2 while a's settle of k#1 is open, so
+    # its commit queues a recheck; b looks at the recheck before a commits. It must wait for a's
+    # outcome — deciding on the k#1 it still sees would strand k#2 for good.
+    a, b = world.relays
+    world.commit_now("k")
+    world.until(a, "settle")
+    world.hold(world.first(a, "settle"))
+    world.commit_now("k")  # never waits for a (its predecessor is locked: a recheck is queued)
+    release = world.until(b, "release_stranded")
+    world.grant(release)
+    assert [who for who, _ in world.in_flight] == [b.name]  # b waits for a's settle
+    world.finish_held(world.held[0])
+    assert world.in_flight == []
+    assert world.finish() == []
+    assert [seq for seq, _, _ in sent(world, "k")] == [1, 2]
+
+
+def test_a_repeatable_read_producer_older_than_a_release_retries_instead_of_stranding(
+    world: World,
+) -> None:
+    a, _ = world.relays
+    world.commit_now("k")
+    world.until(a, "publish")
+    world.grant(world.first(a, "publish"), "return")  # k#1 dead: the key is blocked
+    world.until(a, "connect")
+    producer = world.producers[0]
+    world.begin(producer, repeatable=True)  # its snapshot sees the block
+    world.release("k", replay=False)
+    world.enqueue(producer, "k")  # a serialization failure: the transaction is rolled back
+    assert not producer.open
+    world.commit_now("k")  # the retry
+    assert world.finish() == []
+    assert [seq for seq, _, _ in sent(world, "k")] == [1, 2]
+
+
+def test_a_repeatable_read_producer_older_than_a_replay_retries_instead_of_stranding(
+    world: World,
+) -> None:
+    a, _ = world.relays
+    world.commit_now("k")
+    world.until(a, "publish")
+    world.grant(world.first(a, "publish"), "return")
+    world.until(a, "connect")
+    producer = world.producers[0]
+    world.begin(producer, repeatable=True)
+    world.replay(world.dead_ids()[0])  # k#1 back in its place…
+    world.until(a, "publish")
+    world.grant(world.first(a, "publish"), "ack")  # …and published again, archived
+    world.until(a, "connect")
+    world.enqueue(producer, "k")
+    assert not producer.open
+    world.commit_now("k")
+    assert world.finish() == []
+    assert [seq for seq, _, _ in sent(world, "k")] == [1, 1, 2]
+
+
+def test_a_release_waits_for_a_settle_that_saw_the_key_blocked(world: World) -> None:
+    a, b = world.relays
+    world.policy("block", 3)
+    world.commit_now("k")
+    world.until(a, "publish")  # a holds k#1 alone
+    world.commit_now("k", "k", "k", "k", "k")  # k#2, k#3 may go too (three at a time)
+    world.until(b, "publish")  # b holds k#2 and k#3
+    world.grant(world.first(a, "publish"), "return")  # k#1 dies: the key blocks
+    world.until(a, "connect")
+    world.grant(world.first(b, "publish"), "ack")
+    world.hold(world.until(b, "settle"))  # b archives k#2, k#3 and finds the key blocked
+    world.release("k", replay=False)  # the operator waits for b's settle…
+    assert [who for who, _ in world.in_flight] == ["operator"]
+    world.finish_held(world.held[0])  # …and then sees k#2 and k#3 gone
+    assert world.finish() == []
+    assert sorted(seq or 0 for seq, _, _ in sent(world, "k")) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_producer_commit_never_waits_for_a_settle_of_its_predecessors(world: World) -> None:
+    a, _ = world.relays
+    world.commit_now("a", "b")
+    world.until(a, "settle")
+    world.hold(world.first(a, "settle"))  # a's settle deleted a#1 and b#1, not yet committed
+    world.commit_now("a", "b")  # checks that the COMMIT did not wait (and did not fail)
+    world.finish_held(world.held[0])
+    assert world.finish() == []
+    assert [seq for seq, _, _ in sent(world, "a")] == [1, 2]
+    assert [seq for seq, _, _ in sent(world, "b")] == [1, 2]

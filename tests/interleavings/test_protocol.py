@@ -1,0 +1,211 @@
+"""The relay protocol under interleavings Hypothesis chooses: relays' claims, claims ahead,
+publishes (acked, nacked, returned, lost), settles (also held open), heartbeats, lease expiry,
+crashes and restarts, broker outages; producers committing and rolling back, keyed, at READ
+COMMITTED and REPEATABLE READ; operators releasing and replaying keys and changing the policy.
+After every step: no row is held by two live claims, and every send so far was by the claim
+holding the row, from a committed transaction, with no lower attempt after a higher one and
+nothing of a key after its successor. Once the steps stop: everything committed ends published or
+dead, nothing else does, and every key is numbered 1..n without gaps.
+
+    OUTBOX_INTERLEAVINGS=2000 .venv/bin/pytest tests/interleavings -p no:randomly   # a long run
+"""
+
+from __future__ import annotations
+
+import os
+from typing import ClassVar
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from tests.interleavings import ledger, world
+
+EXAMPLES = int(os.environ.get("OUTBOX_INTERLEAVINGS", "60"))
+STEPS = int(os.environ.get("OUTBOX_INTERLEAVING_STEPS", "80"))
+#: OUTBOX_INTERLEAVING_SHRINK=0 reports the first failing run as found (faster, when checking that
+#: the test catches a defect put back on purpose).
+SHRINK = os.environ.get("OUTBOX_INTERLEAVING_SHRINK", "1") != "0"
+
+
+#: Mostly keyed messages on few keys: the key gate is where the subtle orders of events are.
+KEYED = st.sampled_from(["a", "a", "b", None])
+
+
+class Protocol(RuleBasedStateMachine):
+    url: ClassVar[str]
+
+    def __init__(self) -> None:
+        super().__init__()
+        world.reset(self.url)
+        self.world = world.World(self.url)
+        self.crashes = 0
+        for _ in range(2):
+            self.world.start_relay()
+
+    @initialize(on_dead=st.sampled_from(["block", "skip"]), concurrency=st.integers(1, 2))
+    def key_policy(self, on_dead: str, concurrency: int) -> None:
+        """The policy keys start under (a changed one applies to a key once it is idle)."""
+        self.world.policy(on_dead, concurrency)
+
+    @initialize(keys=st.lists(KEYED, min_size=1, max_size=8))
+    def committed_before(self, keys: list[str | None]) -> None:
+        """Work waiting when the relays start."""
+        self.world.commit_now(*keys)
+
+    # -- relays ------------------------------------------------------------------------------
+
+    @precondition(lambda self: self.world.grantable())
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        """A relay's next store call (or connect) goes through."""
+        self.world.grant(data.draw(st.sampled_from(self.world.grantable())))
+
+    @precondition(lambda self: self.world.alive())
+    @rule(data=st.data(), calls=st.integers(2, 16), kind=st.sampled_from(ledger.KINDS))
+    def run(self, data: st.DataObject, calls: int, kind: str) -> None:
+        """One relay gets on for a few calls in a row (its publishes answered `kind`)."""
+        actor = data.draw(st.sampled_from(self.world.alive()))
+        for _ in range(calls):
+            if not actor.alive or not actor.pending:
+                return
+            self.world.grant(actor.pending[0], kind)
+
+    @precondition(lambda self: self.world.grantable("publish"))
+    @rule(data=st.data(), kind=st.sampled_from(ledger.KINDS))
+    def publish(self, data: st.DataObject, kind: str) -> None:
+        """A relay's publish reaches the broker, which answers `kind`."""
+        self.world.grant(data.draw(st.sampled_from(self.world.grantable("publish"))), kind)
+
+    @precondition(lambda self: self.world.grantable("settle") and len(self.world.held) < 2)
+    @rule(data=st.data())
+    def hold_settle(self, data: st.DataObject) -> None:
+        """A relay's settle runs, but its transaction stays open for a while."""
+        self.world.hold(data.draw(st.sampled_from(self.world.grantable("settle"))))
+
+    @precondition(lambda self: self.world.finishable())
+    @rule(data=st.data())
+    def finish_settle(self, data: st.DataObject) -> None:
+        self.world.finish_held(data.draw(st.sampled_from(self.world.finishable())))
+
+    @precondition(lambda self: self.world.alive())
+    @rule(data=st.data())
+    def heartbeat(self, data: st.DataObject) -> None:
+        self.world.heartbeat(data.draw(st.sampled_from(self.world.alive())))
+
+    @rule(seconds=st.sampled_from([world.LEASE * 0.35, world.LEASE * 0.6, world.LEASE * 1.1]))
+    def time_passes(self, seconds: float) -> None:
+        self.world.advance(seconds)
+
+    @precondition(lambda self: self.world.alive() and self.crashes < 2)
+    @rule(data=st.data(), restart=st.booleans())
+    def crash(self, data: st.DataObject, restart: bool) -> None:
+        """kill -9, and perhaps a new relay in its place."""
+        self.crashes += 1
+        self.world.crash(data.draw(st.sampled_from(self.world.alive())))
+        if restart or not self.world.alive():
+            self.world.start_relay()
+
+    @precondition(lambda self: self.world.alive())
+    @rule(data=st.data(), down=st.booleans())
+    def broker(self, data: st.DataObject, down: bool) -> None:
+        """A relay's broker goes away (its connects fail) or comes back."""
+        data.draw(st.sampled_from(self.world.alive())).broker_down = down
+
+    # -- producers ---------------------------------------------------------------------------
+
+    @precondition(lambda self: any(not p.open for p in self.world.producers))
+    @rule(data=st.data(), repeatable=st.booleans())
+    def begin(self, data: st.DataObject, repeatable: bool) -> None:
+        idle = [p for p in self.world.producers if not p.open]
+        self.world.begin(data.draw(st.sampled_from(idle)), repeatable)
+
+    @precondition(lambda self: any(p.open for p in self.world.producers))
+    @rule(data=st.data(), key=KEYED)
+    def enqueue(self, data: st.DataObject, key: str | None) -> None:
+        """An open transaction enqueues; to a key no other transaction or operator is using
+        (that one would wait for it, as it should: not an interleaving)."""
+        producer = data.draw(st.sampled_from([p for p in self.world.producers if p.open]))
+        others = self.world.keys_in_use() - producer.keys
+        if key is not None and (key in others or "*" in others):
+            key = None
+        self.world.enqueue(producer, key)
+
+    @precondition(lambda self: any(not p.open for p in self.world.producers))
+    @rule(keys=st.lists(KEYED, min_size=1, max_size=4))
+    def transaction(self, keys: list[str | None]) -> None:
+        """A short producer transaction, committed at once (keys others use are left out)."""
+        busy = self.world.keys_in_use()
+        self.world.commit_now(*(None if "*" in busy or k in busy else k for k in keys))
+
+    @precondition(lambda self: any(p.open for p in self.world.producers))
+    @rule(data=st.data(), commit=st.booleans())
+    def end(self, data: st.DataObject, commit: bool) -> None:
+        producer = data.draw(st.sampled_from([p for p in self.world.producers if p.open]))
+        if commit:
+            self.world.commit(producer)
+        else:
+            self.world.rollback(producer)
+
+    # -- the operator ------------------------------------------------------------------------
+
+    @precondition(lambda self: not self.world.in_flight_operator())
+    @rule(data=st.data(), replay=st.booleans())
+    def release(self, data: st.DataObject, replay: bool) -> None:
+        free = [k for k in self.world.blocked_keys() if k not in self.world.keys_in_use()]
+        if free:
+            self.world.release(data.draw(st.sampled_from(free)), replay)
+
+    @precondition(lambda self: not self.world.in_flight_operator())
+    @rule(data=st.data())
+    def replay(self, data: st.DataObject) -> None:
+        if not self.world.keys_in_use() and (dead := self.world.dead_ids()):
+            self.world.replay(data.draw(st.sampled_from(dead)))
+
+    @precondition(lambda self: not self.world.in_flight_operator())
+    @rule(on_dead=st.sampled_from(["block", "skip"]), concurrency=st.integers(1, 2))
+    def policy(self, on_dead: str, concurrency: int) -> None:
+        self.world.policy(on_dead, concurrency)
+
+    # -- the checks --------------------------------------------------------------------------
+
+    @invariant()
+    def no_row_is_held_twice(self) -> None:
+        assert self.world.overlapping_holds() == []
+
+    @invariant()
+    def every_send_so_far_was_allowed(self) -> None:
+        assert self.world.ledger.violations == []
+
+    def teardown(self) -> None:
+        try:
+            problems = self.world.finish()
+        finally:
+            self.world.close()
+        assert problems == [], "\n".join(problems)
+
+
+def test_the_protocol_holds_under_every_interleaving_tried(database_url: str) -> None:
+    Protocol.url = database_url
+    run_state_machine_as_test(
+        Protocol,
+        settings=settings(
+            max_examples=EXAMPLES,
+            stateful_step_count=STEPS,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+            print_blob=True,
+            phases=list(Phase) if SHRINK else [p for p in Phase if p is not Phase.shrink],
+        ),
+    )
+
+
+pytestmark = pytest.mark.slow

@@ -1,0 +1,680 @@
+"""A world of relays, producers and an operator over one real outbox database, where the test
+decides every step anyone takes.
+
+Each relay is the real `loop.Relay` over the real `PgStore` and SQL; only the broker is faked.
+Every call it makes to the store or the broker waits at a gate until the test grants it. A granted
+database call runs for real and may wait on a lock (seen in pg_stat_activity): it then stays in
+flight while other steps go on. A relay's settle can also be *held*: run in a transaction left
+open, so that producers and operators act while it is in progress. Time is virtual: advancing it
+moves the relays' clocks forward and every stored time back. Each send is judged the moment it
+happens (tests/interleavings/ledger.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+from uuid import UUID
+
+import psycopg
+from psycopg import sql as pgsql
+
+import relay
+from relay import errors, loop, model
+from relay import store as pgstore
+from relay.sql import load
+from tests.interleavings.ledger import Ledger, RowNow, Send, outcome
+
+T = TypeVar("T")
+#: Long, so that the real time an example takes (about a second) is far from every boundary the
+#: virtual time crosses: a run and its replay make the same decisions.
+LEASE = 100.0
+OPTIONS = loop.Options(
+    batch_size=3,
+    lease=LEASE,
+    prefetch=True,
+    max_attempts=4,
+    max_ambiguous=2,
+    retry_delay=10.0,
+    retry_max_delay=50.0,
+)
+KEYS = ("a", "b")  # the keys the state machine draws from (tests/interleavings/test_protocol.py)
+#: Every session of the world fails a lock wait after this rather than hang the test, and finds
+#: deadlocks quickly.
+SESSION = "-c lock_timeout=30s -c deadlock_timeout=100ms"
+TABLES = ("messages", "archive", "dead", "keys", "key_releases", "blocked_keys", "key_checks")
+
+
+@dataclasses.dataclass(eq=False)
+class Call:
+    """A relay's call to the store or the broker, waiting for the test to let it through."""
+
+    actor: RelayActor
+    method: str
+    run: Callable[[], Awaitable[Any]] | None
+    future: asyncio.Future[Any]
+    messages: tuple[model.OutboxMessage, ...] = ()
+    still_held: Callable[[], bool] | None = None
+    claim_id: UUID | None = None
+    settlement: model.Settlement | None = None
+
+    def __repr__(self) -> str:
+        return f"<{self.actor.name} {self.method}>"
+
+
+@dataclasses.dataclass(eq=False)
+class Held:
+    """A relay's settle running in a transaction left open. Its statement may itself still be
+    waiting on a lock (`task` not done); it can be committed once it is done."""
+
+    call: Call
+    conn: psycopg.AsyncConnection[Any]
+    task: asyncio.Task[Any]
+
+
+class _Pool:
+    """Enough of psycopg_pool for PgStore: sessions named for their actor, opened on demand and
+    set up as the relay's own pool sets them up."""
+
+    def __init__(self, url: str, name: str) -> None:
+        self._url, self._name = url, name
+        self._idle: list[psycopg.AsyncConnection[Any]] = []
+        self._all: list[psycopg.AsyncConnection[Any]] = []
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        conn = self._idle.pop() if self._idle else await self._open()
+        try:
+            yield conn
+        finally:
+            self._idle.append(conn)
+
+    async def _open(self) -> psycopg.AsyncConnection[Any]:
+        conn = await connect(self._url, self._name)
+        await conn.execute(load().relay_session)
+        self._all.append(conn)
+        return conn
+
+    async def close(self) -> None:
+        for conn in self._all:
+            await conn.close()
+
+
+async def connect(url: str, name: str) -> psycopg.AsyncConnection[Any]:
+    return await psycopg.AsyncConnection.connect(
+        url, autocommit=True, application_name=name, options=SESSION
+    )
+
+
+class GatedStore:
+    """ports.Store whose every call waits for the test's grant, then runs on PgStore."""
+
+    def __init__(self, actor: RelayActor) -> None:
+        self._actor = actor
+        pool: Any = _Pool(actor.world.url, actor.name)  # PgStore needs only .connection()
+        self.real = pgstore.PgStore(pool, "outbox", actor.name, synchronous_commit=False)
+
+    async def claim(self, limit: int, lease: float) -> model.Claim:
+        return await self._actor.gate("claim", lambda: self.real.claim(limit, lease))
+
+    async def claim_orphans(self, limit: int, lease: float, max_attempts: int) -> model.Claim:
+        run = lambda: self.real.claim_orphans(limit, lease, max_attempts)  # noqa: E731
+        return await self._actor.gate("claim_orphans", run)
+
+    async def bury_exhausted(self, max_attempts: int) -> list[tuple[UUID, int]]:
+        return await self._actor.gate("bury", lambda: self.real.bury_exhausted(max_attempts))
+
+    async def extend(self, claim_id: UUID, ids: Sequence[int], lease: float) -> frozenset[int]:
+        run = lambda: self.real.extend(claim_id, ids, lease)  # noqa: E731
+        return await self._actor.gate("extend", run)
+
+    async def settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:
+        run = lambda: self.real.settle(claim_id, settlement)  # noqa: E731
+        return await self._actor.gate("settle", run, claim_id=claim_id, settlement=settlement)
+
+    async def release_stranded(self) -> int:
+        return await self._actor.gate("release_stranded", self.real.release_stranded)
+
+    async def stats(self) -> model.Stats:
+        return await self.real.stats()
+
+
+class GatedBroker:
+    """ports.Publisher whose connects and publishes wait for the test, which also decides what
+    the broker answers. Nothing is written once `still_held` says the lease may be gone."""
+
+    def __init__(self, actor: RelayActor) -> None:
+        self._actor = actor
+        self.blocked = False
+
+    async def connect(self) -> None:
+        await self._actor.ask("connect")
+
+    async def until_unblocked(self) -> None:
+        return None
+
+    async def publish(
+        self,
+        messages: Sequence[model.OutboxMessage],
+        abort: asyncio.Event | None = None,
+        still_held: Callable[[], bool] | None = None,
+    ) -> list[model.PublishResult]:
+        answer = self._actor.ask("publish", messages=tuple(messages), still_held=still_held)
+        return list(await answer)
+
+    async def close(self) -> None:
+        return None
+
+
+class RelayActor:
+    """One relay: the real loop, cycling `run_once()` for ever, every call gated."""
+
+    def __init__(self, world: World, name: str, *, auto: bool = False) -> None:
+        self.world = world
+        self.name = name
+        self.auto = auto  # grant everything at once and acknowledge every publish (the drain)
+        self.alive = True
+        self.broker_down = False
+        self.pending: list[Call] = []
+        self.claims: set[UUID] = set()
+        self.store = GatedStore(self)
+        options = dataclasses.replace(OPTIONS, batch_size=100) if auto else OPTIONS
+        self.relay = loop.Relay(self.store, GatedBroker(self), options, clock=world.clock)
+        self.beating: asyncio.Task[Any] | None = None
+        self.cycles = 0  # run_once calls completed
+        self.task = world.loop.create_task(self._cycle())
+
+    def __repr__(self) -> str:
+        return self.name
+
+    async def _cycle(self) -> None:
+        while True:
+            with contextlib.suppress(errors.TransientError):
+                await self.relay.run_once()
+            self.cycles += 1
+
+    async def gate(self, method: str, run: Callable[[], Awaitable[T]], **kw: Any) -> T:
+        """A store call: runs on the real store once the test grants it."""
+        result: T = await self._wait(Call(self, method, run, self.world.loop.create_future(), **kw))
+        return result
+
+    async def ask(self, method: str, **kw: Any) -> Any:
+        """A broker call: the test decides what comes back."""
+        return await self._wait(Call(self, method, None, self.world.loop.create_future(), **kw))
+
+    async def _wait(self, call: Call) -> Any:
+        if self.auto:
+            self.world.loop.create_task(self.world.grant_now(call, "ack"))
+        else:
+            self.pending.append(call)
+        return await call.future
+
+
+class Producer:
+    """A producer's connection and its open transaction, if any."""
+
+    def __init__(self, name: str, conn: psycopg.AsyncConnection[Any]) -> None:
+        self.name = name
+        self.conn = conn
+        self.open = False
+        self.repeatable = False
+        self.keys: set[str] = set()
+        self.ids: list[UUID] = []
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class World:
+    """See the module's docstring. Every public method is one step, run to quiescence."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.loop = asyncio.new_event_loop()
+        self.offset = 0.0
+        self.ledger = Ledger()
+        self.relays: list[RelayActor] = []
+        self.held: list[Held] = []
+        self.in_flight: list[tuple[str, asyncio.Task[Any]]] = []  # ops waiting on a lock
+        self._names = itertools.count()
+        self.monitor = self.run(connect(url, "monitor"))
+        self.operator = self.run(connect(url, "operator"))
+        self.producers = [Producer(f"producer-{n}", self.run(connect(url, f"producer-{n}")))
+                          for n in range(2)]  # fmt: skip
+
+    # -- time and plumbing -----------------------------------------------------------------
+
+    def clock(self) -> float:
+        return time.monotonic() + self.offset
+
+    def run(self, step: Awaitable[T]) -> T:
+        return self.loop.run_until_complete(step)
+
+    async def _quiet(self) -> None:
+        """Let every actor run on until it waits at a gate (or on a lock): nothing they do
+        between gates needs I/O, so a few hundred turns of the loop are plenty."""
+        for _ in range(300):
+            await asyncio.sleep(0)
+
+    async def _until_done_or_waiting(self, who: str, task: asyncio.Task[Any]) -> bool:
+        """True once `task` is done; False if `who`'s session waits on a lock meanwhile."""
+        deadline = time.monotonic() + 20
+        while not task.done():
+            cur = await self.monitor.execute(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE application_name = %s AND wait_event_type = 'Lock'",
+                [who],
+            )
+            row = await cur.fetchone()
+            if row is not None and row[0] > 0:
+                return False
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{who}'s operation neither finished nor waited on a lock")
+            await asyncio.sleep(0.001)
+        return True
+
+    async def _operate(self, who: str, work: Coroutine[Any, Any, Any]) -> bool:
+        """Run `work`; leave it in flight if it waits on a lock. Whether it finished."""
+        task = self.loop.create_task(work)
+        done = await self._until_done_or_waiting(who, task)
+        if done:
+            task.result()
+        else:
+            self.in_flight.append((who, task))
+        return done
+
+    async def _catch_up(self) -> None:
+        """Let operations in flight finish where nothing blocks them any more."""
+        for who, task in list(self.in_flight):
+            if await self._until_done_or_waiting(who, task):
+                self.in_flight.remove((who, task))
+                task.result()
+        await self._quiet()
+
+    # -- relays ----------------------------------------------------------------------------
+
+    def start_relay(self, *, auto: bool = False) -> RelayActor:
+        actor = RelayActor(self, f"relay-{next(self._names)}", auto=auto)
+        self.relays.append(actor)
+        self.run(self._quiet())
+        return actor
+
+    def alive(self) -> list[RelayActor]:
+        return [r for r in self.relays if r.alive and not r.auto]
+
+    def grantable(self, method: str | None = None) -> list[Call]:
+        return [
+            c
+            for r in self.alive()
+            for c in r.pending
+            if (c.method == method if method else c.method != "publish")
+        ]
+
+    def grant(self, call: Call, kind: str = "ack") -> None:
+        """Let `call` through; a publish gets the broker's answer `kind` (ledger.KINDS)."""
+        call.actor.pending.remove(call)
+        self.run(self.grant_now(call, kind))
+
+    async def grant_now(self, call: Call, kind: str) -> None:
+        if call.future.done():  # its relay was stopped meanwhile (the drain's)
+            return
+        if call.method == "connect":
+            if call.actor.broker_down:
+                call.future.set_exception(errors.BrokerUnavailable("the broker is down"))
+            else:
+                call.future.set_result(None)
+        elif call.method == "publish":
+            answer = await self._publish(call, kind)
+            if not call.future.done():
+                call.future.set_result(answer)
+        else:
+            await self._operate(call.actor.name, self._deliver(call))
+        await self._quiet()
+
+    async def _deliver(self, call: Call) -> None:
+        assert call.run is not None
+        try:
+            result = await call.run()
+        except errors.TransientError as exc:
+            if not call.future.done():
+                call.future.set_exception(exc)
+            return
+        if isinstance(result, model.Claim):
+            call.actor.claims.add(result.claim_id)
+        if not call.future.done():
+            call.future.set_result(result)
+
+    async def _publish(self, call: Call, kind: str) -> list[model.PublishResult]:
+        if call.still_held is not None and not call.still_held():
+            return [model.PublishResult(model.Outcome.UNSENT, "lease") for _ in call.messages]
+        for m in call.messages:
+            self.ledger.send(await self._send(call.actor, m), await self._row(m), call.actor.claims)
+        return [outcome(kind, i) for i in range(len(call.messages))]
+
+    async def _send(self, actor: RelayActor, m: model.OutboxMessage) -> Send:
+        return Send(actor.name, m.message_id, m.ordering_key, m.seq, m.attempts, m.replays)
+
+    async def _row(self, m: model.OutboxMessage) -> RowNow | None:
+        cur = await self.monitor.execute(
+            "SELECT m.claim_id, m.attempts, m.available_at > now(),"
+            " coalesce((SELECT k.concurrency FROM outbox.keys k"
+            "           WHERE k.ordering_key = m.ordering_key), 1)"
+            " FROM outbox.messages m WHERE m.id = %s",
+            [m.id],
+        )
+        row = await cur.fetchone()
+        return None if row is None else RowNow(*row)
+
+    def hold(self, call: Call) -> None:
+        """Run a pending settle in a transaction left open (its relay waits for the result)."""
+        call.actor.pending.remove(call)
+        self.run(self._hold(call))
+
+    async def _hold(self, call: Call) -> None:
+        assert call.settlement is not None
+        conn = await connect(self.url, call.actor.name)
+        await conn.execute(load().relay_session)
+        await conn.set_autocommit(False)
+        params = pgstore._settle_params(call.claim_id, call.settlement, True)  # type: ignore[arg-type]
+
+        async def settle() -> Any:
+            cur = await conn.execute(load().settle, params)
+            return await cur.fetchone()
+
+        task = self.loop.create_task(settle())
+        await self._until_done_or_waiting(call.actor.name, task)
+        self.held.append(Held(call, conn, task))
+        await self._quiet()
+
+    def finishable(self) -> list[Held]:
+        return [h for h in self.held if h.task.done()]
+
+    def finish_held(self, held: Held) -> None:
+        """Commit a held settle whose statement is done; its relay gets on."""
+        self.held.remove(held)
+        self.run(self._finish(held))
+
+    async def _finish(self, held: Held) -> None:
+        archived, dead, retried, released, blocked = held.task.result()
+        await held.conn.commit()
+        await held.conn.close()
+        assert held.call.settlement is not None
+        fenced = held.call.settlement.size - archived - dead - retried
+        counts = model.SettleCounts(archived, dead, retried, fenced, released, blocked)
+        held.call.future.set_result(counts)
+        await self._catch_up()
+
+    def heartbeat(self, actor: RelayActor) -> None:
+        """The keeper's heartbeat fires: its renewals become calls waiting for grants."""
+        if actor.beating is None or actor.beating.done():
+            actor.beating = self.loop.create_task(actor.relay.heartbeat.run_once())
+        self.run(self._quiet())
+
+    def crash(self, actor: RelayActor) -> None:
+        """kill -9: it takes no step again; a transaction it had open rolls back."""
+        actor.alive = False
+        actor.pending.clear()
+        for held in [h for h in self.held if h.call.actor is actor]:
+            self.held.remove(held)
+            self.run(held.conn.close())
+        self.run(self._catch_up())
+
+    def advance(self, seconds: float) -> None:
+        """Time passes: the relays' clocks move on, and every stored time moves back (rows some
+        transaction holds keep theirs: they only become due later than they might)."""
+        self.offset += seconds
+        self.run(
+            self.monitor.execute(
+                "UPDATE outbox.messages SET available_at = available_at - make_interval(secs => %s)"
+                " WHERE id IN (SELECT id FROM outbox.messages FOR UPDATE SKIP LOCKED)",
+                [seconds],
+            )
+        )
+
+    # -- producers -------------------------------------------------------------------------
+
+    def begin(self, p: Producer, repeatable: bool) -> None:
+        self.run(self._begin(p, repeatable))
+
+    async def _begin(self, p: Producer, repeatable: bool) -> None:
+        await p.conn.set_autocommit(False)
+        await p.conn.set_isolation_level(
+            psycopg.IsolationLevel.REPEATABLE_READ
+            if repeatable
+            else psycopg.IsolationLevel.READ_COMMITTED
+        )
+        await p.conn.execute("SELECT 1")  # the business reads: a snapshot from here on
+        p.open, p.repeatable, p.keys, p.ids = True, repeatable, set(), []
+
+    def enqueue(self, p: Producer, key: str | None) -> None:
+        try:
+            message_id = self.run(relay.enqueue_async(p.conn, "x", "k", b"", ordering_key=key))
+        except psycopg.errors.SerializationFailure:
+            self.run(self._abort(p))
+            return
+        p.ids.append(message_id)
+        if key is not None:
+            p.keys.add(key)
+
+    def commit(self, p: Producer) -> None:
+        task = self.loop.create_task(p.conn.commit())
+        try:
+            finished = self.run(self._until_done_or_waiting(p.name, task))
+            if not finished:
+                blockers = self.run(self._blockers(p.name))
+                self.ledger.violate(f"{p.name}'s COMMIT waited for {blockers}")
+                raise AssertionError(f"{p.name}'s COMMIT waited for {blockers}")
+            task.result()
+        except psycopg.errors.SerializationFailure:
+            self.run(self._abort(p))
+            return
+        except psycopg.Error as exc:
+            self.ledger.violate(f"{p.name}'s COMMIT failed: {exc}")
+            raise
+        self.ledger.committed.update(p.ids)
+        p.open = False
+        self.run(self._quiet())
+
+    def rollback(self, p: Producer) -> None:
+        self.run(self._abort(p))
+
+    async def _abort(self, p: Producer) -> None:
+        await p.conn.rollback()
+        self.ledger.aborted.update(p.ids)
+        p.open, p.ids, p.keys = False, [], set()
+
+    async def _blockers(self, who: str) -> list[str]:
+        cur = await self.monitor.execute(
+            "SELECT b.application_name FROM pg_stat_activity w, pg_stat_activity b"
+            " WHERE w.application_name = %s AND b.pid = ANY(pg_blocking_pids(w.pid))",
+            [who],
+        )
+        return [str(name) for (name,) in await cur.fetchall()]
+
+    def keys_in_use(self) -> set[str]:
+        """Keys an open producer transaction has written to, or an operator is acting on."""
+        held = {k for p in self.producers if p.open for k in p.keys}
+        return held | ({"*"} if self.in_flight_operator() else set())
+
+    def in_flight_operator(self) -> bool:
+        return any(who == "operator" for who, _ in self.in_flight)
+
+    # -- the operator ----------------------------------------------------------------------
+
+    def blocked_keys(self) -> list[str]:
+        return [str(k) for (k,) in self._fetch("SELECT ordering_key FROM outbox.blocked_keys")]
+
+    def dead_ids(self) -> list[int]:
+        return [int(i) for (i,) in self._fetch("SELECT id FROM outbox.dead ORDER BY id")]
+
+    def release(self, key: str, replay: bool) -> None:
+        self._note_skips()
+        self.run(self._operator("SELECT outbox.release_key(%s, %s)", [key, replay]))
+
+    def replay(self, dead_id: int) -> None:
+        self._note_skips()
+        self.run(self._operator("SELECT outbox.replay_dead(ARRAY[%s::bigint])", [dead_id]))
+
+    def _note_skips(self) -> None:
+        """Before a replay: which dead keyed messages were skipped (not what blocks their key)."""
+        self.ledger.skipped.update(
+            (str(k), int(s))
+            for k, s in self._fetch(
+                "SELECT d.ordering_key, d.seq FROM outbox.dead d"
+                " WHERE d.ordering_key IS NOT NULL AND NOT EXISTS ("
+                "  SELECT 1 FROM outbox.blocked_keys b"
+                "  WHERE b.ordering_key = d.ordering_key AND b.message_id = d.message_id)"
+            )
+        )
+
+    def policy(self, on_dead: str, concurrency: int) -> None:
+        self.run(
+            self._operator(
+                "UPDATE outbox.key_policies SET on_dead = %s, concurrency = %s WHERE prefix = ''",
+                [on_dead, concurrency],
+            )
+        )
+
+    async def _operator(self, statement: str, args: list[Any]) -> None:
+        await self._operate("operator", self.operator.execute(statement.encode(), args))
+        await self._quiet()
+
+    def _fetch(self, query: str, *args: Any) -> list[tuple[Any, ...]]:
+        async def fetch() -> list[tuple[Any, ...]]:
+            cur = await self.monitor.execute(query.encode(), args)
+            return await cur.fetchall()
+
+        return self.run(fetch())
+
+    # -- scripted steps, for the named cases -----------------------------------------------
+
+    def first(self, actor: RelayActor, method: str) -> Call:
+        """`actor`'s first pending call of `method`; AssertionError if it has none."""
+        calls = [c for c in actor.pending if c.method == method]
+        assert calls, f"{actor.name} has no {method} waiting, only {actor.pending}"
+        return calls[0]
+
+    def until(self, actor: RelayActor, method: str, kind: str = "ack", limit: int = 40) -> Call:
+        """Grant `actor`'s calls in order (publishes answered `kind`) until it has a call of
+        `method` waiting; that call."""
+        for _ in range(limit):
+            calls = [c for c in actor.pending if c.method == method]
+            if calls:
+                return calls[0]
+            assert actor.pending, f"{actor.name} is waiting on nothing the test can grant"
+            self.grant(actor.pending[0], kind)
+        raise AssertionError(f"{actor.name} never got to {method}")
+
+    def commit_now(self, *keys: str | None) -> None:
+        """One producer transaction that enqueues a message per key and commits."""
+        producer = next(p for p in self.producers if not p.open)
+        self.begin(producer, repeatable=False)
+        for key in keys:
+            self.enqueue(producer, key)
+        self.commit(producer)
+
+    # -- the checks ------------------------------------------------------------------------
+
+    def overlapping_holds(self) -> list[str]:
+        """Rows two live claims (by their relays' own clocks) both believe they hold."""
+        seen: dict[int, str] = {}
+        problems = []
+        for actor in self.alive():
+            for claim_id, ids in actor.relay.leases.held().items():
+                for i in ids:
+                    if i in seen:
+                        problems.append(f"row {i} held by {seen[i]} and {actor.name}/{claim_id}")
+                    seen[i] = f"{actor.name}/{claim_id}"
+        return problems
+
+    def finish(self) -> list[str]:
+        """Stop every step, let the relays drain everything (an operator releasing blocked keys
+        as needed), and say what is wrong with the end state."""
+        for p in self.producers:
+            if p.open:
+                self.rollback(p)
+        while self.finishable():
+            self.finish_held(self.finishable()[0])
+        self.run(self._catch_up())
+        assert not self.held, f"held settles still waiting on locks: {self.held}"
+        assert not self.in_flight, f"still waiting on locks: {self.in_flight}"
+        for actor in self.alive():
+            self.crash(actor)
+        for _ in range(20):
+            self.advance(LEASE * 10)
+            drainer = self.start_relay(auto=True)
+            self.run(self._drained(drainer))
+            drainer.alive = False
+            drainer.task.cancel()
+            for key in self.blocked_keys():
+                self.release(key, replay=False)
+            if not self._fetch("SELECT 1 FROM outbox.messages LIMIT 1"):
+                break
+        waiting = [
+            dict(zip(("key", "seq", "gated", "claimed", "attempts"), row, strict=True))
+            for row in self._fetch(
+                "SELECT ordering_key, seq, gated, claim_id IS NOT NULL, attempts"
+                " FROM outbox.messages ORDER BY ordering_key, seq"
+            )
+        ]
+        archived = {m: (k, s) for m, k, s in self._fetch(
+            "SELECT message_id, ordering_key, seq FROM outbox.archive")}  # fmt: skip
+        dead = {m: (k, s) for m, k, s in self._fetch(
+            "SELECT message_id, ordering_key, seq FROM outbox.dead")}  # fmt: skip
+        return self.ledger.final(waiting, archived, dead) + self.ledger.violations
+
+    async def _drained(self, drainer: RelayActor) -> None:
+        """Wait until the automatic relay has cycled twice since nothing was left to do: no due
+        row, no claimed row, no recheck queued."""
+        idle_since: int | None = None
+        for _ in range(2000):
+            await self._quiet()
+            cur = await self.monitor.execute(
+                "SELECT (SELECT count(*) FROM outbox.messages"
+                "        WHERE (NOT gated AND available_at <= now()) OR claim_id IS NOT NULL)"
+                "     + (SELECT count(*) FROM outbox.key_checks)"
+            )
+            row = await cur.fetchone()
+            if row is None or row[0] > 0:
+                idle_since = None
+            elif idle_since is None:
+                idle_since = drainer.cycles
+            elif drainer.cycles >= idle_since + 2:
+                return
+            await asyncio.sleep(0.001)  # the automatic relay's calls run as tasks: let them
+
+    def close(self) -> None:
+        for actor in self.relays:
+            actor.task.cancel()
+            if actor.beating is not None:
+                actor.beating.cancel()
+        for held in self.held:
+            self.run(held.conn.close())
+        for _, task in self.in_flight:
+            task.cancel()
+        pending = asyncio.all_tasks(self.loop)
+        for task in pending:
+            task.cancel()
+        if pending:  # a task cancelled inside a driver call may linger: closing its session ends it
+            self.run(asyncio.wait(pending, timeout=5))
+        for actor in self.relays:
+            self.run(actor.store.real.close())
+        for conn in (self.monitor, self.operator, *(p.conn for p in self.producers)):
+            self.run(conn.close())
+        self.loop.close()
+
+
+def reset(url: str) -> None:
+    """Empty every outbox table and put the default key policy back, between examples."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            pgsql.SQL("TRUNCATE {} RESTART IDENTITY").format(
+                pgsql.SQL(", ").join(pgsql.Identifier("outbox", t) for t in TABLES)
+            )
+        )
+        conn.execute("UPDATE outbox.key_policies SET on_dead = 'block', concurrency = 1")
