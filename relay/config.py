@@ -252,10 +252,17 @@ class Settings(_Database):
     key_retention: Duration = Field(
         2592000.0,
         ge=0,
-        description="An ordering key nobody has used for this long, with no message waiting and "
-        "no block, is forgotten, checked hourly; if used again its numbering restarts at 1 "
-        "(seconds; default 30 days; 0 keeps every key forever).",
+        description="An ordering key nobody has used for this long, with no message waiting or "
+        "dead and no block, is forgotten, checked hourly; if used again its numbering restarts "
+        "at 1 (seconds, an hour or more; default 30 days; 0 keeps every key forever).",
     )
+
+    @field_validator("key_retention")
+    @classmethod
+    def _an_hour_or_none(cls, value: float) -> float:
+        if 0 < value < 3600:
+            raise ValueError("must be 0 (keep every key) or an hour or more")
+        return value
 
     @field_validator("amqp_url")
     @classmethod

@@ -53,10 +53,12 @@ class Keeper:
         """Stop keeping a claim: it was settled or given back."""
         self._holds.pop(claim_id, None)
 
-    def valid(self, claim_id: UUID) -> bool:
-        """Whether the claim's rows are still surely this relay's: publishing them is safe."""
+    def valid(self, claim_id: UUID, ids: frozenset[int]) -> bool:
+        """Whether rows `ids` of the claim are all still surely this relay's: publishing them is
+        safe. A row a renewal did not keep was taken over and stays lost, even once the claim's
+        other rows are trusted again."""
         hold = self._holds.get(claim_id)
-        return hold is not None and bool(hold.ids) and self._clock() < hold.until
+        return hold is not None and ids <= hold.ids and self._clock() < hold.until
 
     def held(self) -> Mapping[UUID, frozenset[int]]:
         """The rows of every claim whose hold is trusted now, by claim."""

@@ -402,8 +402,9 @@ class Relay:
             self._prefetched = asyncio.ensure_future(self._claim_now())
         results: list[model.PublishResult] = []
         if to_send:
+            sending = frozenset(m.id for m in to_send)
             results = await self._publisher.publish(
-                to_send, self._abort, lambda: self.leases.valid(claim.claim_id)
+                to_send, self._abort, lambda: self.leases.valid(claim.claim_id, sending)
             )
         settlement = plan(
             to_send, results, exhausted, self._options, stopping=self._stopping.is_set()

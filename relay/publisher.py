@@ -246,15 +246,15 @@ class AmqpPublisher:
         for round_ in range(3):
             if not todo:
                 break
-            if not still_held():
-                final.update({i: _not_held(round_) for i in todo})
-                break
             if round_:
                 try:
                     await self.connect()
                 except errors.BrokerUnavailable as exc:
                     final.update({i: _ambiguous(str(exc), i in resent) for i in todo})
                     break
+            if not still_held():  # after reconnecting, which can take a while: right before writing
+                final.update({i: _not_held(round_) for i in todo})
+                break
             one_by_one = round_ == 2 or (round_ == 1 and not blamed)
             skipped: set[int] = set()
             if one_by_one:
@@ -328,15 +328,18 @@ class AmqpPublisher:
         results: Results = {}
         skipped: set[int] = set()
         for i, encoded in todo.items():
-            if abort.is_set() or not still_held():
-                why = "the relay is stopping" if abort.is_set() else _NOT_HELD
-                results[i] = _ambiguous(why)
+            if abort.is_set():
+                results[i] = _ambiguous("the relay is stopping")
                 skipped.add(i)
                 continue
             try:
                 await self.connect()
             except errors.BrokerUnavailable as exc:
                 results[i] = _ambiguous(str(exc))
+                continue
+            if not still_held():  # right before writing, after a reconnect that may have waited
+                results[i] = _ambiguous(_NOT_HELD)
+                skipped.add(i)
                 continue
             assert self._channel is not None
             clock = _Stopwatch()

@@ -250,7 +250,7 @@ BEGIN
           FROM unnest(v_keys, v_seqs) AS s(ordering_key, seq)
           LEFT JOIN keys k USING (ordering_key)) AS c
     JOIN messages p ON p.ordering_key = c.ordering_key AND p.seq = c.seq
-    ORDER BY p.ordering_key, p.seq
+    ORDER BY p.id  -- the order a settle's DELETE takes them in: no deadlock between the two
     FOR KEY SHARE OF p;
     PERFORM 1 FROM blocked_keys b
     WHERE b.ordering_key = ANY(v_keys)

@@ -10,7 +10,9 @@
 -- Relays of the previous version keep using their own statements (and rights) until `roles` is
 -- run again after the rollout; see CHANGELOG.md.
 
--- Apply one claim's transitions, in one transaction, each fenced by p_claim_id: count the resent
+-- Apply one claim's transitions, in one transaction, each fenced by p_claim_id (and never to a
+-- gated row: a claimed row never is one, and a relay's login may write claim_id, so a relay must
+-- not be able to settle a key's later message out of order this way): count the resent
 -- rows' extra sends, archive the confirmed ones, dead-letter the failed ones with their reasons,
 -- put the ones to retry back, and release (or block) the keys of the rows moved. Without
 -- p_durable the commit does not wait for the WAL flush (the relay's OUTBOX_SYNCHRONOUS_COMMIT=off):
@@ -51,11 +53,11 @@ BEGIN
         PERFORM set_config('synchronous_commit', 'off', true);
     END IF;
     UPDATE messages SET ambiguous = ambiguous + 1
-    WHERE id = ANY(p_resent) AND claim_id = p_claim_id;
+    WHERE id = ANY(p_resent) AND claim_id = p_claim_id AND NOT gated;
 
     WITH done AS (
         DELETE FROM messages
-        WHERE id = ANY(p_archive) AND claim_id = p_claim_id
+        WHERE id = ANY(p_archive) AND claim_id = p_claim_id AND NOT gated
         RETURNING message_id, exchange, routing_key, body, headers, properties, ordering_key, seq,
                   attempts, ambiguous, created_at, replays, replayed_at, replayed_from
     ), moved AS (
@@ -80,7 +82,7 @@ BEGIN
     ), gone AS (
         DELETE FROM messages AS m
         USING failed AS f
-        WHERE m.id = f.id AND m.claim_id = p_claim_id
+        WHERE m.id = f.id AND m.claim_id = p_claim_id AND NOT m.gated
         RETURNING m.message_id, m.exchange, m.routing_key, m.body, m.headers, m.properties,
                   m.ordering_key, m.seq, m.attempts, m.ambiguous, m.created_at, m.replays,
                   m.replayed_at, m.replayed_from, f.reason, f.detail
@@ -113,7 +115,7 @@ BEGIN
         last_error = r.error
     FROM unnest(p_retry, p_delays, p_errors, p_refunds, p_ambiguous)
          AS r(id, delay, error, refund, ambiguous)
-    WHERE m.id = r.id AND m.claim_id = p_claim_id;
+    WHERE m.id = r.id AND m.claim_id = p_claim_id AND NOT m.gated;
     GET DIAGNOSTICS retried = ROW_COUNT;
 
     released := 0;
@@ -142,12 +144,17 @@ DECLARE
     v_keyed    uuid[];
 BEGIN
     PERFORM _read_committed('bury_exhausted');
+    IF p_max_attempts IS NULL OR p_max_attempts < 1 THEN
+        RAISE EXCEPTION 'bury_exhausted: p_max_attempts must be at least 1, not %', p_max_attempts
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
     WITH gone AS (
         DELETE FROM messages
         WHERE id IN (
             SELECT id
             FROM messages
             WHERE claim_id IS NOT NULL AND available_at <= now() AND attempts >= p_max_attempts
+              AND NOT gated
             ORDER BY available_at, id
             LIMIT p_limit
             FOR UPDATE SKIP LOCKED

@@ -10,7 +10,9 @@ In one scratch database, each figure the median of `--rounds` rounds:
   does before publishing a batch whose trust is short (a batch claimed ahead long ago);
 - claim: a durable claim (it waits for the WAL flush, as every claim now does) against one that
   does not (as claims did with OUTBOX_SYNCHRONOUS_COMMIT=false);
-- recheck: `release_stranded` with nothing queued, which every relay cycle now runs.
+- recheck: `release_stranded` with nothing queued, which every relay cycle now runs; and, for the
+  option docs/decisions/0002 rejected, a sweep for gated rows whose predecessor is gone, over a
+  hot key with `--gated` (100,000) rows waiting.
 Services come from OUTBOX_TEST_DATABASE_URL (default: the local server).
 """
 
@@ -138,7 +140,7 @@ def settle_old(conn: psycopg.Connection[Any], claim_id: uuid.UUID, ids: list[int
             )
 
 
-def measure(url: str, rounds: int, batch: int) -> dict[str, float]:
+def measure(url: str, rounds: int, batch: int, gated: int) -> dict[str, float]:
     figures: dict[str, list[float]] = {}
 
     def note(name: str, work: Callable[[], object]) -> None:
@@ -169,13 +171,28 @@ def measure(url: str, rounds: int, batch: int) -> dict[str, float]:
             conn.execute("SELECT set_config('synchronous_commit', 'on', false)")
             recheck = functools.partial(conn.execute, sql.load().release_stranded, {"limit": CHUNK})
             note("release_stranded, nothing queued", recheck)
+        conn.execute("TRUNCATE outbox.messages, outbox.archive, outbox.keys")
+        fill(conn, gated, 1)  # one hot key: its head and `gated` - 1 rows behind it
+        for _ in range(rounds):
+            sweep = functools.partial(conn.execute, SWEEP)
+            note(f"sweep for stranded rows, {gated:,} gated", sweep)
     return {name: statistics.median(values) for name, values in figures.items()}
+
+
+#: The rejected alternative to rechecks: look at every gated row for one whose predecessor is gone.
+SWEEP = """
+SELECT count(*) FROM outbox.messages m
+WHERE m.gated
+  AND NOT EXISTS (SELECT 1 FROM outbox.messages p
+                  WHERE p.ordering_key = m.ordering_key AND p.seq = m.seq - 1)
+"""
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--batch", type=int, default=500)
+    parser.add_argument("--gated", type=int, default=100_000)
     args = parser.parse_args()
     with services.discover() as svc:
         name = f"outbox_bench_{uuid.uuid4().hex[:8]}"
@@ -184,7 +201,7 @@ def main() -> None:
         try:
             url = svc.with_database(name)
             migrate.migrate(url, "outbox")
-            figures = measure(url, args.rounds, args.batch)
+            figures = measure(url, args.rounds, args.batch, args.gated)
         finally:
             with psycopg.connect(svc.database_url, autocommit=True) as admin:
                 admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

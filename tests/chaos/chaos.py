@@ -73,6 +73,7 @@ class Report:
     overtaken: int = 0  # copies of a keyed message that arrived after its successor
     regressed: int = 0  # copies carrying a lower attempt number than an earlier copy
     multi_key: int = 0  # committed transactions that wrote to several keys
+    rechecks: int = 0  # keyed rows whose commit raced their predecessor's settle (key_checks)
     serialization_retries: int = 0  # REPEATABLE READ transactions retried after a 40001
     left_in_messages: int = 0
     archived: int = 0
@@ -114,6 +115,7 @@ class Report:
             f"  copies after a successor {self.overtaken}  (must be 0)",
             f"attempt lower than before  {self.regressed}  (must be 0)",
             f"multi-key transactions     {self.multi_key}",
+            f"commits racing a settle    {self.rechecks}  (rechecks queued, never waited for)",
             f"40001 retries (REP. READ)  {self.serialization_retries}",
             f"rows left in messages      {self.left_in_messages}  (must be 0)",
             f"archived                   {self.archived}  (must equal committed)",
@@ -407,6 +409,11 @@ def _tally(report: Report, url: str, producers: Producers, received: list[Arriva
     report.left_in_messages = _scalar(url, "SELECT count(*) FROM outbox.messages")
     report.archived = _scalar(url, "SELECT count(*) FROM outbox.archive")
     report.dead = _scalar(url, "SELECT count(*) FROM outbox.dead")
+    report.rechecks = _scalar(
+        url,
+        "SELECT coalesce(sum(n_tup_ins), 0) FROM pg_stat_user_tables"
+        " WHERE schemaname = 'outbox' AND relname = 'key_checks'",
+    )
 
 
 def _order(received: list[Arrival]) -> tuple[int, int]:

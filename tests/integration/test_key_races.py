@@ -131,6 +131,28 @@ async def test_a_repeatable_read_producer_older_than_a_replay_is_not_stranded(
     assert waiting(database_url) == 0
 
 
+async def test_a_repeatable_read_producer_older_than_a_forgotten_key_retries(
+    database_url: str,
+) -> None:
+    # The key is released and then forgotten (idle long enough) inside the producer's snapshot,
+    # which still sees it blocked: making the key's row anew must not let it commit k#1 gated.
+    await block_key(database_url, "k")
+
+    def release_and_forget() -> None:
+        with admin.Admin.connect(database_url) as ops:
+            ops.release_key("k")
+        sql(database_url, "UPDATE outbox.keys SET touched_at = now() - interval '2 days'")
+        sql(database_url, "DELETE FROM outbox.dead")  # purged: nothing left to replay
+        assert sql(database_url, "SELECT * FROM outbox.forget_idle_keys('1 day', '', 10)") == [
+            (1, "k")
+        ]
+
+    tries = produce_repeatable_read(database_url, "k", release_and_forget)
+    assert tries == ["40001", "committed"]
+    assert await drain(database_url) == [("k", 1)]  # numbered anew
+    assert waiting(database_url) == 0
+
+
 async def test_a_repeatable_read_producer_commits_though_its_predecessor_was_archived_meanwhile(
     database_url: str,
 ) -> None:

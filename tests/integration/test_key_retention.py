@@ -9,6 +9,7 @@ import psycopg
 import pytest
 
 import relay
+from relay import config, errors
 from relay.store import PgStore
 
 
@@ -29,9 +30,15 @@ def keys(url: str) -> set[str]:
 
 
 async def test_idle_keys_are_forgotten_and_the_others_kept(database_url: str) -> None:
-    for key in ("idle", "waiting", "blocked", "held", "recent", "paced"):
+    for key in ("idle", "waiting", "blocked", "held", "recent", "paced", "died"):
         enqueue(database_url, key)
     sql(database_url, "DELETE FROM outbox.messages WHERE ordering_key <> 'waiting'")  # settled
+    sql(  # a message of "died" lies in dead: a replay would need its numbering
+        database_url,
+        "INSERT INTO outbox.dead (message_id, exchange, routing_key, body, headers, properties,"
+        " ordering_key, seq, attempts, reason, created_at)"
+        " VALUES (gen_random_uuid(), 'x', 'k', '', '{}', '{}', 'died', 1, 1, 'unroutable', now())",
+    )
     sql(
         database_url,
         "INSERT INTO outbox.blocked_keys (ordering_key, message_id, seq, reason)"
@@ -48,7 +55,7 @@ async def test_idle_keys_are_forgotten_and_the_others_kept(database_url: str) ->
             producer.execute("SELECT 1 FROM outbox.keys WHERE ordering_key = 'held' FOR UPDATE")
             forgotten = await store.forget_idle_keys(30 * 86400)  # a producer holds "held"
         assert forgotten == 2
-        assert keys(database_url) == {"waiting", "blocked", "held", "recent"}
+        assert keys(database_url) == {"waiting", "blocked", "held", "recent", "died"}
         assert sql(database_url, "SELECT count(*) FROM outbox.key_releases") == [(0,)]
         assert await store.forget_idle_keys(30 * 86400) == 1  # "held" now, its producer gone
     finally:
@@ -78,6 +85,13 @@ async def test_a_pass_over_many_keys_takes_short_pages(database_url: str) -> Non
 def test_a_nonsense_retention_is_refused(database_url: str) -> None:
     with (
         psycopg.connect(database_url) as conn,
-        pytest.raises(psycopg.errors.InvalidParameterValue, match="positive interval"),
+        pytest.raises(psycopg.errors.InvalidParameterValue, match="an hour or more"),
     ):
-        conn.execute("SELECT * FROM outbox.forget_idle_keys('0', '', 10)")
+        conn.execute("SELECT * FROM outbox.forget_idle_keys('59 minutes', '', 10)")
+
+
+def test_the_retention_setting_is_off_or_an_hour_or_more() -> None:
+    assert config.load(key_retention=0).key_retention == 0
+    assert config.load(key_retention="2h").key_retention == 7200
+    with pytest.raises(errors.ConfigError, match="OUTBOX_KEY_RETENTION"):
+        config.load(key_retention="10m")

@@ -196,6 +196,24 @@ async def test_relay_role_relays_and_nothing_else(secured: Secured, broker: Brok
         f"CREATE TABLE {q}.mine (i int)",
     ):
         forbidden(s.url("relay"), statement)
+    # The one column a relay may write that names a claim cannot be turned into a way to settle a
+    # key's later message out of order, nor can its attempt limit be used to bury any row.
+    with psycopg.connect(s.url("producer")) as conn:
+        relay.enqueue(conn, broker.exchange, "r.k", b"k3", ordering_key="k", schema=s.schema)
+        relay.enqueue(conn, broker.exchange, "r.k", b"k4", ordering_key="k", schema=s.schema)
+    with psycopg.connect(s.url("relay"), autocommit=True) as conn:
+        stamp = f"UPDATE {q}.messages SET claim_id = %s WHERE seq = 4 RETURNING id, gated"
+        claim_id = uuid.uuid4()
+        ((row_id, gated),) = conn.execute(stamp.encode(), [claim_id]).fetchall()
+        assert gated  # k#4 waits behind k#3
+        settle = (
+            f"SELECT archived FROM {q}.settle(%s, %s, '{{}}', '{{}}', '{{}}', '{{}}', '{{}}',"
+            " '{}', '{}', '{}', '{}', true)"
+        )
+        assert conn.execute(settle.encode(), [claim_id, [row_id]]).fetchall() == [(0,)]
+        with pytest.raises(pgerrors.InvalidParameterValue):
+            conn.execute(f"SELECT * FROM {q}.bury_exhausted(0, 10)".encode())
+    assert count(s, "archive") == 5
 
 
 async def test_operator_role_runs_the_cli_and_nothing_else(
