@@ -142,14 +142,15 @@ async def components(
     )
     try:
         await startup("RabbitMQ", publisher.connect, settings.startup_timeout, stop)
-        wake = asyncio.Event()
-        listener = Listener(database_url, settings.db_schema, wake)
+        wake, recheck = asyncio.Event(), asyncio.Event()
+        listener = Listener(database_url, settings.db_schema, wake, recheck)
         counters = counters or metrics.Metrics()
         relay = loop.Relay(
             store,
             tracing.traced(publisher),
             options(settings),
             wake=wake,
+            recheck=recheck,
             on_cycle=counters.record,
             on_chore_error=counters.chore_failed,
         )

@@ -1,4 +1,4 @@
-"""A self-reconnecting LISTEN connection whose only job is to set the relay's wake-up event."""
+"""A self-reconnecting LISTEN connection whose only job is to set the relay's wake-up events."""
 
 from __future__ import annotations
 
@@ -13,16 +13,29 @@ from relay.pg import translate_errors
 
 log = logging.getLogger(__name__)
 
+#: The payload of the NOTIFY a producer's commit sends after queueing a key recheck (0012).
+RECHECK = "recheck"
+
 
 class Listener:
     """Sets `wake` on every NOTIFY from enqueue, and once after each (re)connect, because
-    notifications sent while it was away are gone: polling is the guarantee, NOTIFY only a hint."""
+    notifications sent while it was away are gone: polling is the guarantee, NOTIFY only a hint.
+    Sets `recheck` too when the payload asks for it (and after each connect)."""
 
-    def __init__(self, conninfo: str, schema: str, wake: asyncio.Event) -> None:
+    def __init__(
+        self,
+        conninfo: str,
+        schema: str,
+        wake: asyncio.Event,
+        recheck: asyncio.Event | None = None,
+    ) -> None:
         self._conninfo = conninfo
         self._schema = schema
         self._listen = sql.load(schema).listen
         self.wake = wake
+        #: Set (with `wake`) by a NOTIFY whose payload is `recheck`: a keyed row's commit raced
+        #: its predecessor's settle, and the relays should look at key_checks now.
+        self.recheck = recheck or asyncio.Event()
         self.connected = asyncio.Event()
         self.connects = 0
         self.notifications = 0
@@ -51,8 +64,11 @@ class Listener:
                 self.connects += 1
                 self.connected.set()
                 self.wake.set()
-                async for _ in conn.notifies():
+                self.recheck.set()  # notifications sent while away are gone
+                async for notify in conn.notifies():
                     self.notifications += 1
+                    if notify.payload == RECHECK:
+                        self.recheck.set()
                     self.wake.set()
             finally:
                 self.connected.clear()

@@ -133,6 +133,7 @@ class Relay:
         options: Options = Options(),  # frozen, so sharing the default is safe
         *,
         wake: asyncio.Event | None = None,
+        recheck: asyncio.Event | None = None,
         on_cycle: Callable[[model.CycleReport], None] | None = None,
         on_chore_error: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -142,6 +143,10 @@ class Relay:
         self._options = options
         self._clock = clock
         self.wake = wake or asyncio.Event()
+        #: Set when a producer's commit queued a key recheck (a NOTIFY: a hint); rechecks also run
+        #: with every look for orphans (the guarantee). Set at start: something may be queued.
+        self.recheck = recheck or asyncio.Event()
+        self.recheck.set()
         self._on_cycle = on_cycle
         self._stopping = asyncio.Event()  # claim nothing more; give back what is not yet sent
         self._abort = asyncio.Event()  # the shutdown grace is over: stop waiting for confirms
@@ -172,7 +177,8 @@ class Relay:
     async def run_once(self) -> model.CycleReport:
         """One cycle: publish a batch of due rows, then (twice a lease) bury orphans that used up
         their attempts and take the others one at a time (a row that kills its relay must not
-        take a batch with it), then release keyed rows a producer's commit left to the relays.
+        take a batch with it), then, when told to (`recheck`) or twice a lease, release keyed
+        rows a producer's commit left to the relays.
         Raises errors.TransientError if a service is down before anything was claimed (giving
         back the batch claimed ahead first: another replica may have a broker); once rows are
         claimed, it settles them before returning."""
@@ -187,10 +193,13 @@ class Relay:
         report = await self._work(*await self._claim())
         if self._clock() >= self._next_orphan_check:
             report = report.combine(await self._orphans())
-        released = await self._store.release_stranded()
-        if released:
-            freed = model.CycleReport(settled=model.SettleCounts(released=released))
-            report = report.combine(freed)
+            self.recheck.set()
+        if self.recheck.is_set():
+            self.recheck.clear()
+            released = await self._store.release_stranded()
+            if released:
+                freed = model.CycleReport(settled=model.SettleCounts(released=released))
+                report = report.combine(freed)
         if self._on_cycle is not None:
             self._on_cycle(report)
         return report

@@ -122,7 +122,8 @@ BEGIN
                            AND m.seq = NEW.seq - v_concurrency);
     IF v_recheck THEN
         INSERT INTO key_checks (ordering_key, seq) VALUES (NEW.ordering_key, NEW.seq);
-        PERFORM pg_notify(current_schema() || '_new', '');
+        -- The payload tells relays to look at key_checks now (they also do, twice a lease).
+        PERFORM pg_notify(current_schema() || '_new', 'recheck');
     ELSIF NOT EXISTS (SELECT 1 FROM blocked_keys b WHERE b.ordering_key = NEW.ordering_key) THEN
         UPDATE messages m
         SET gated = false,

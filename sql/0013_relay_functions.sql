@@ -52,71 +52,88 @@ BEGIN
     IF NOT p_durable THEN
         PERFORM set_config('synchronous_commit', 'off', true);
     END IF;
-    UPDATE messages SET ambiguous = ambiguous + 1
-    WHERE id = ANY(p_resent) AND claim_id = p_claim_id AND NOT gated;
+    archived := 0;
+    dead := 0;
+    retried := 0;
+    v_keys := '{}';
+    v_seqs := '{}';
+    v_reasons := '{}';
+    v_ids := '{}';
+    -- Each part runs only when it has rows (the common settle only archives): a statement with
+    -- nothing to do still plans and opens its scans, which a pinned vacuum horizon makes dear.
+    IF cardinality(p_resent) > 0 THEN
+        UPDATE messages SET ambiguous = ambiguous + 1
+        WHERE id = ANY(p_resent) AND claim_id = p_claim_id AND NOT gated;
+    END IF;
 
-    WITH done AS (
-        DELETE FROM messages
-        WHERE id = ANY(p_archive) AND claim_id = p_claim_id AND NOT gated
-        RETURNING message_id, exchange, routing_key, body, headers, properties, ordering_key, seq,
-                  attempts, ambiguous, created_at, replays, replayed_at, replayed_from
-    ), moved AS (
-        INSERT INTO archive (message_id, exchange, routing_key, body, headers, properties,
-                             ordering_key, seq, attempts, ambiguous, created_at, replays,
-                             replayed_at, replayed_from)
-        SELECT message_id, exchange, routing_key, body, headers, properties, ordering_key, seq,
-               attempts, ambiguous, created_at, replays, replayed_at, replayed_from
-        FROM done
-        RETURNING message_id, ordering_key, seq
-    )
-    SELECT count(*),
-           coalesce(array_agg(ordering_key) FILTER (WHERE ordering_key IS NOT NULL), '{}'),
-           coalesce(array_agg(seq) FILTER (WHERE ordering_key IS NOT NULL), '{}'),
-           coalesce(array_agg(NULL::text) FILTER (WHERE ordering_key IS NOT NULL), '{}'),
-           coalesce(array_agg(message_id) FILTER (WHERE ordering_key IS NOT NULL), '{}')
-    INTO archived, v_keys, v_seqs, v_reasons, v_ids
-    FROM moved;
+    IF cardinality(p_archive) > 0 THEN
+        WITH done AS (
+            DELETE FROM messages
+            WHERE id = ANY(p_archive) AND claim_id = p_claim_id AND NOT gated
+            RETURNING message_id, exchange, routing_key, body, headers, properties, ordering_key, seq,
+                      attempts, ambiguous, created_at, replays, replayed_at, replayed_from
+        ), moved AS (
+            INSERT INTO archive (message_id, exchange, routing_key, body, headers, properties,
+                                 ordering_key, seq, attempts, ambiguous, created_at, replays,
+                                 replayed_at, replayed_from)
+            SELECT message_id, exchange, routing_key, body, headers, properties, ordering_key, seq,
+                   attempts, ambiguous, created_at, replays, replayed_at, replayed_from
+            FROM done
+            RETURNING message_id, ordering_key, seq
+        )
+        SELECT count(*),
+               coalesce(array_agg(ordering_key) FILTER (WHERE ordering_key IS NOT NULL), '{}'),
+               coalesce(array_agg(seq) FILTER (WHERE ordering_key IS NOT NULL), '{}'),
+               coalesce(array_agg(NULL::text) FILTER (WHERE ordering_key IS NOT NULL), '{}'),
+               coalesce(array_agg(message_id) FILTER (WHERE ordering_key IS NOT NULL), '{}')
+        INTO archived, v_keys, v_seqs, v_reasons, v_ids
+        FROM moved;
+    END IF;
 
-    WITH failed AS (
-        SELECT * FROM unnest(p_dead, p_reasons, p_details) AS f(id, reason, detail)
-    ), gone AS (
-        DELETE FROM messages AS m
-        USING failed AS f
-        WHERE m.id = f.id AND m.claim_id = p_claim_id AND NOT m.gated
-        RETURNING m.message_id, m.exchange, m.routing_key, m.body, m.headers, m.properties,
-                  m.ordering_key, m.seq, m.attempts, m.ambiguous, m.created_at, m.replays,
-                  m.replayed_at, m.replayed_from, f.reason, f.detail
-    ), moved AS (
-        INSERT INTO dead (message_id, exchange, routing_key, body, headers, properties,
-                          ordering_key, seq, attempts, ambiguous, created_at, replays,
-                          replayed_at, replayed_from, reason, detail)
-        SELECT message_id, exchange, routing_key, body, headers, properties, ordering_key, seq,
-               attempts, ambiguous, created_at, replays, replayed_at, replayed_from, reason, detail
-        FROM gone
-        RETURNING message_id, ordering_key, seq, reason
-    )
-    SELECT count(*),
-           v_keys || coalesce(array_agg(ordering_key) FILTER (WHERE ordering_key IS NOT NULL), '{}'),
-           v_seqs || coalesce(array_agg(seq) FILTER (WHERE ordering_key IS NOT NULL), '{}'),
-           v_reasons || coalesce(array_agg(reason) FILTER (WHERE ordering_key IS NOT NULL), '{}'),
-           v_ids || coalesce(array_agg(message_id) FILTER (WHERE ordering_key IS NOT NULL), '{}')
-    INTO dead, v_keys, v_seqs, v_reasons, v_ids
-    FROM moved;
+    IF cardinality(p_dead) > 0 THEN
+        WITH failed AS (
+            SELECT * FROM unnest(p_dead, p_reasons, p_details) AS f(id, reason, detail)
+        ), gone AS (
+            DELETE FROM messages AS m
+            USING failed AS f
+            WHERE m.id = f.id AND m.claim_id = p_claim_id AND NOT m.gated
+            RETURNING m.message_id, m.exchange, m.routing_key, m.body, m.headers, m.properties,
+                      m.ordering_key, m.seq, m.attempts, m.ambiguous, m.created_at, m.replays,
+                      m.replayed_at, m.replayed_from, f.reason, f.detail
+        ), moved AS (
+            INSERT INTO dead (message_id, exchange, routing_key, body, headers, properties,
+                              ordering_key, seq, attempts, ambiguous, created_at, replays,
+                              replayed_at, replayed_from, reason, detail)
+            SELECT message_id, exchange, routing_key, body, headers, properties, ordering_key, seq,
+                   attempts, ambiguous, created_at, replays, replayed_at, replayed_from, reason, detail
+            FROM gone
+            RETURNING message_id, ordering_key, seq, reason
+        )
+        SELECT count(*),
+               v_keys || coalesce(array_agg(ordering_key) FILTER (WHERE ordering_key IS NOT NULL), '{}'),
+               v_seqs || coalesce(array_agg(seq) FILTER (WHERE ordering_key IS NOT NULL), '{}'),
+               v_reasons || coalesce(array_agg(reason) FILTER (WHERE ordering_key IS NOT NULL), '{}'),
+               v_ids || coalesce(array_agg(message_id) FILTER (WHERE ordering_key IS NOT NULL), '{}')
+        INTO dead, v_keys, v_seqs, v_reasons, v_ids
+        FROM moved;
+    END IF;
 
     -- A refund gives back the attempt the claim counted (the row was not really tried); an
     -- ambiguous one counts the claim as a send that may have arrived.
-    UPDATE messages AS m
-    SET available_at = now() + make_interval(secs => r.delay),
-        attempts = m.attempts - r.refund::int,
-        ambiguous = m.ambiguous + r.ambiguous::int,
-        claim_id = NULL,
-        claimed_by = NULL,
-        claimed_at = NULL,
-        last_error = r.error
-    FROM unnest(p_retry, p_delays, p_errors, p_refunds, p_ambiguous)
-         AS r(id, delay, error, refund, ambiguous)
-    WHERE m.id = r.id AND m.claim_id = p_claim_id AND NOT m.gated;
-    GET DIAGNOSTICS retried = ROW_COUNT;
+    IF cardinality(p_retry) > 0 THEN
+        UPDATE messages AS m
+        SET available_at = now() + make_interval(secs => r.delay),
+            attempts = m.attempts - r.refund::int,
+            ambiguous = m.ambiguous + r.ambiguous::int,
+            claim_id = NULL,
+            claimed_by = NULL,
+            claimed_at = NULL,
+            last_error = r.error
+        FROM unnest(p_retry, p_delays, p_errors, p_refunds, p_ambiguous)
+             AS r(id, delay, error, refund, ambiguous)
+        WHERE m.id = r.id AND m.claim_id = p_claim_id AND NOT m.gated;
+        GET DIAGNOSTICS retried = ROW_COUNT;
+    END IF;
 
     released := 0;
     blocked := 0;

@@ -53,3 +53,22 @@ async def test_listener_reconnects_after_its_backend_is_terminated(
     listener.wake.clear()
     await enqueue_one(database_url)
     await asyncio.wait_for(listener.wake.wait(), 10)
+
+
+async def test_a_commit_that_queued_a_key_recheck_asks_the_relays_to_look(
+    listener: Listener, database_url: str
+) -> None:
+    listener.recheck.clear()
+    await enqueue_one(database_url)  # an ordinary commit wakes, and asks for no recheck
+    await asyncio.wait_for(listener.wake.wait(), 10)
+    assert not listener.recheck.is_set()
+    # A keyed commit whose predecessor is locked (as by a relay's settle) queues a recheck.
+    async with await psycopg.AsyncConnection.connect(database_url) as conn:
+        await relay.enqueue_async(conn, "x", "k", b"1", ordering_key="k")
+        await conn.commit()
+        settling = await psycopg.AsyncConnection.connect(database_url)
+        await settling.execute("SELECT 1 FROM outbox.messages WHERE seq = 1 FOR UPDATE")
+        await relay.enqueue_async(conn, "x", "k", b"2", ordering_key="k")
+        await conn.commit()
+        await settling.close()
+    await asyncio.wait_for(listener.recheck.wait(), 10)

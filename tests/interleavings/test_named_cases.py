@@ -64,15 +64,22 @@ def test_a_stale_claim_ahead_sends_nothing_after_its_rows_were_taken_over(world:
     assert all(relay != a.name for seq, _, relay in sent(world, "k") if seq == 1)
 
 
-def test_a_renewal_that_comes_too_late_does_not_make_a_late_send_safe(world: World) -> None:
-    a, _ = world.relays
+def test_a_renewal_that_lands_after_a_takeover_does_not_make_a_late_send_safe(
+    world: World,
+) -> None:
+    # a's renewal is sent in time but held up in the network while its lease runs out and b takes
+    # one of a's rows over. When it lands it keeps only the other row: a sends neither (its
+    # batch is no longer all its own), and certainly not the one b sent.
+    a, b = world.relays
     world.commit_now(None, None)
     world.until(a, "publish")
-    world.heartbeat(a)
-    world.advance(LEASE * 0.95)  # the renewal waits in the network past the claim's trust…
-    world.grant(world.first(a, "extend"))  # …and lands; the database extends the lease
-    world.grant(world.first(a, "publish"), "ack")  # but a may not assume it: it sends nothing
-    assert world.ledger.sends == []
+    world.advance(LEASE * 0.4)
+    world.heartbeat(a)  # the renewal is on its way…
+    world.advance(LEASE * 0.7)  # …held up past the lease
+    world.grant(world.until(b, "publish"), "ack")  # b's orphan pass takes one row and sends it
+    world.grant(world.first(a, "extend"))  # a's renewal lands: one row lost, one kept
+    world.grant(world.first(a, "publish"), "ack")
+    assert [s.relay for s in world.ledger.sends] == [b.name]
     assert world.finish() == []
 
 

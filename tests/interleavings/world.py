@@ -478,6 +478,9 @@ class World:
             raise
         self.ledger.committed.update(p.ids)
         p.open = False
+        if self._fetch("SELECT 1 FROM outbox.key_checks LIMIT 1"):  # the commit's NOTIFY
+            for actor in self.alive():
+                actor.relay.recheck.set()
         self.run(self._quiet())
 
     def rollback(self, p: Producer) -> None:

@@ -60,6 +60,21 @@ async def test_the_keeper_renews_every_hold_and_lets_go_of_rows_taken_over() -> 
     assert not keeper.valid(claim.claim_id, everything)
 
 
+async def test_a_heartbeat_leaves_a_fresh_hold_alone_and_renews_it_in_time() -> None:
+    store = MemoryStore()
+    store.add()
+    keeper = leases.Keeper(store, LEASE, lambda: clock(store))
+    claim = await store.claim(10, LEASE)
+    keeper.hold(claim, clock(store))
+    await keeper.run_once()  # claimed a moment ago: rewriting its rows would be waste
+    assert store.calls.count("extend") == 0
+    store.advance(LEASE / 3)  # the next heartbeat renews it, well before its trust runs out
+    await keeper.run_once()
+    assert store.calls.count("extend") == 1
+    store.advance(LEASE / 3)
+    assert keeper.valid(claim.claim_id, frozenset(m.id for m in claim.messages))
+
+
 async def test_confirm_renews_a_hold_with_little_trust_left_and_names_what_is_still_held() -> None:
     store = MemoryStore()
     store.add()
