@@ -7,7 +7,7 @@ holding the row, from a committed transaction, with no lower attempt after a hig
 nothing of a key after its successor. Once the steps stop: everything committed ends published or
 dead, nothing else does, and every key is numbered 1..n without gaps.
 
-    OUTBOX_INTERLEAVINGS=2000 .venv/bin/pytest tests/interleavings -p no:randomly   # a long run
+    OUTBOX_INTERLEAVINGS=2000 .venv/bin/pytest -s tests/interleavings   # a long run, with figures
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ KEYED = st.sampled_from(["a", "a", "b", None])
 
 class Protocol(RuleBasedStateMachine):
     url: ClassVar[str]
+    #: What the runs did, printed at the end (`pytest -s`): the figures a long run reports.
+    tally: ClassVar[dict[str, int]] = {"runs": 0, "steps": 0, "sends": 0, "committed": 0}
 
     def __init__(self) -> None:
         super().__init__()
@@ -183,6 +185,7 @@ class Protocol(RuleBasedStateMachine):
 
     @invariant()
     def every_send_so_far_was_allowed(self) -> None:
+        self.tally["steps"] += 1  # invariants run after each step (and once after initialising)
         assert self.world.ledger.violations == []
 
     def teardown(self) -> None:
@@ -190,6 +193,10 @@ class Protocol(RuleBasedStateMachine):
             problems = self.world.finish()
         finally:
             self.world.close()
+        self.tally["runs"] += 1
+        self.tally["steps"] -= 1
+        self.tally["sends"] += len(self.world.ledger.sends)
+        self.tally["committed"] += len(self.world.ledger.committed)
         assert problems == [], "\n".join(problems)
 
 
@@ -205,6 +212,11 @@ def test_the_protocol_holds_under_every_interleaving_tried(database_url: str) ->
             print_blob=True,
             phases=list(Phase) if SHRINK else [p for p in Phase if p is not Phase.shrink],
         ),
+    )
+    t = Protocol.tally
+    print(
+        f"\ninterleavings: {t['runs']} runs, {t['steps']} steps, "
+        f"{t['committed']} messages committed, {t['sends']} sends"
     )
 
 

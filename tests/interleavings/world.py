@@ -660,10 +660,13 @@ class World:
             self.run(held.conn.close())
         for _, task in self.in_flight:
             task.cancel()
-        pending = asyncio.all_tasks(self.loop)
-        for task in pending:
-            task.cancel()
-        if pending:  # a task cancelled inside a driver call may linger: closing its session ends it
+        for _ in range(5):  # a task being cancelled may start others (a relay giving rows back)
+            pending = asyncio.all_tasks(self.loop)
+            if not pending:
+                break
+            for task in pending:
+                task.cancel()
+            # A task cancelled inside a driver call may linger: closing its session ends it.
             self.run(asyncio.wait(pending, timeout=5))
         for actor in self.relays:
             self.run(actor.store.real.close())
