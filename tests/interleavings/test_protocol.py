@@ -220,4 +220,5 @@ def test_the_protocol_holds_under_every_interleaving_tried(database_url: str) ->
     )
 
 
-pytestmark = pytest.mark.slow
+#: About a third of a second a run on a 2-core machine; a long run must not meet the suite's limit.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180 + EXAMPLES)]
