@@ -231,6 +231,12 @@ def test_a_killed_export_leaves_nothing_pruned(
     started = {n.removesuffix(".started") for n in names if n.endswith(".started")}
     done = {n.removesuffix(".done") for n in names if n.endswith(".done")}
     assert started - done, f"killed after every range was done: {sorted(names)}"
+    # The killed run holds the pipeline lock until its backend notices the closed socket.
+    killed = (
+        "SELECT 1 FROM pg_stat_activity WHERE datname = current_database()"
+        " AND application_name = 'outbox-relay pipeline'"
+    )
+    until(lambda: not rows(database_url, killed), timeout=30, message="the killed run's session")
     with PipelineDatabase.connect(database_url, "outbox") as db:
         result = prune(spark, lake, db, pause=0, say=quiet)
     after = set(ids_in(database_url, "archive"))
