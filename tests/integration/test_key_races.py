@@ -18,6 +18,7 @@ import relay
 from relay import admin, loop, model
 from relay.store import PgStore
 from tests.support.fakes import ScriptedPublisher
+from tests.support.wait import until_async
 
 Script = Callable[[model.OutboxMessage], model.PublishResult]
 
@@ -310,11 +311,12 @@ async def test_multi_key_producers_and_settling_relays_never_fail_a_producer(
             thread.start()
         for thread in producers:
             await asyncio.to_thread(thread.join)
+
+        async def drained() -> bool:
+            return waiting(database_url) == 0
+
         try:
-            for _ in range(600):
-                if waiting(database_url) == 0:
-                    break
-                await asyncio.sleep(0.05)  # the relays drain what is left
+            await until_async(drained, interval=0.05, message="the relays to drain what is left")
         finally:
             stop.set()
             await asyncio.gather(*relays)
