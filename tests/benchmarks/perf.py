@@ -6,15 +6,19 @@ test suite).
 In one run, on the local servers (OUTBOX_TEST_DATABASE_URL / OUTBOX_TEST_AMQP_URL), each
 scenario in a scratch database of its own, messages of 1 KiB, persistent and confirmed:
 
-1. limit: raw aio-pika publishing (mandatory, publisher confirms, uvloop) with no database, at
-   the best of a few in-flight windows — the ceiling;
+1. limit: the relay's own publish path (its encoding, frames, mandatory publishing and confirms,
+   uvloop) fed the same messages from memory, with no database, at the best of a few batch
+   sizes — the ceiling, so that a drain's share of it is what the database work costs;
 2. drain: `outbox-relay run --until-empty` on a backlog of `--messages`, 1 and 2 replicas;
 3. steady: producers committing one message per transaction at 500/s and 2,000/s while one relay
    keeps up; a consumer measures commit-to-delivery latency (from just before COMMIT is sent);
-4. keyed: the drain with the messages spread over 100 ordering keys;
+4. keyed: the drain with the messages spread over 100 ordering keys, and over 10,000;
 5. backlog scale: the drain rate with 10,000 rows against `--deep` rows;
 6. horizon: the drain while another session holds a REPEATABLE READ snapshot open from before
-   the backlog is written until it is drained (vacuum can remove nothing).
+   the backlog is written until it is drained (vacuum can remove nothing);
+7. pinned: steady load at `--rates` through clean, pinned, pinned with readers and recovery
+   phases, with autovacuum on (tests/benchmarks/horizon.py says how; `--json` keeps the
+   timeline for tests/benchmarks/plot.py).
 
 The limit and the drains publish to a queue that keeps only the newest 10,000 messages, as if a
 consumer kept up (a queue holding a million would slow the broker, not the relay); the drains
@@ -40,6 +44,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +54,9 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from relay.model import OutboxMessage, Outcome
+from relay.publisher import AmqpPublisher
+from tests.benchmarks import horizon
 from tests.benchmarks.drain import delete
 from tests.support import services
 from tests.support.processes import clean_env
@@ -167,41 +175,51 @@ def _self_and_children() -> float:
 # -- limit ----------------------------------------------------------------------------------------
 
 
-async def _publish_raw(amqp_url: str, exchange: str, messages: int, window: int) -> float:
-    connection = await aio_pika.connect(amqp_url)
-    async with connection:
-        channel = await connection.channel(publisher_confirms=True)
-        target = await channel.get_exchange(exchange)
+async def _publish_batches(amqp_url: str, exchange: str, messages: int, batch: int) -> float:
+    """The relay's own publish path (its encoding, frames and confirm handling), fed batches
+    built in memory: what a relay would reach if the database cost nothing."""
+    publisher = AmqpPublisher(amqp_url)
+    await publisher.connect()
+    try:
         body = b"x" * BODY
-        slots = asyncio.Semaphore(window)
-
-        async def one(i: int) -> None:
-            async with slots:
-                message = aio_pika.Message(
-                    body,
-                    message_id=str(uuid.uuid4()),
-                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                )
-                await target.publish(message, routing_key=f"bench.{i}", mandatory=True)
-
+        now = datetime.now(UTC)
         started = time.perf_counter()
-        await asyncio.gather(*(one(i) for i in range(messages)))
+        for lo in range(0, messages, batch):
+            rows = [
+                OutboxMessage(
+                    id=i,
+                    message_id=uuid.uuid4(),
+                    exchange=exchange,
+                    routing_key=f"bench.{i}",
+                    body=body,
+                    headers={},
+                    properties={"content_type": "application/octet-stream"},
+                    ordering_key=None,
+                    created_at=now,
+                    attempts=1,
+                )
+                for i in range(lo, min(lo + batch, messages))
+            ]
+            results = await publisher.publish(rows)
+            if bad := [r for r in results if r.outcome is not Outcome.ACKED]:
+                raise SystemExit(f"limit: {len(bad)} not confirmed, e.g. {bad[0]}")
         return time.perf_counter() - started
+    finally:
+        await publisher.close()
 
 
 def limit(svc: services.Services, messages: int) -> float:
-    """The best publish rate of a few in-flight windows."""
+    """The best rate of the relay's publish path with no database, at a few batch sizes (the
+    relay's default is 500)."""
     best = 0.0
-    for window in (250, 1000, 2000):
+    for batch in (500, 1000, 2000):
         exchange = queue = f"outbox-perf.{uuid.uuid4().hex[:8]}"
         asyncio.run(declare(svc.amqp_url, exchange, queue))
         with measured_cpu() as cpu:
-            seconds = uvloop.run(_publish_raw(svc.amqp_url, exchange, messages, window))
+            seconds = uvloop.run(_publish_batches(svc.amqp_url, exchange, messages, batch))
         asyncio.run(delete(svc.amqp_url, exchange, queue))
         rate = messages / seconds
-        print(
-            f"limit: window {window}: {rate:,.0f} msg/s; {cpu.per_thousand(messages, 'publisher')}"
-        )
+        print(f"limit: batch {batch}: {rate:,.0f} msg/s; {cpu.per_thousand(messages, 'publisher')}")
         best = max(best, rate)
     return best
 
@@ -407,7 +425,7 @@ def steady(svc: services.Services, rate: int, seconds: float) -> None:
 # -- main -----------------------------------------------------------------------------------------
 
 
-SCENARIOS = ("limit", "drain", "steady", "keyed", "backlog", "horizon")
+SCENARIOS = ("limit", "drain", "steady", "keyed", "backlog", "horizon", "pinned")
 
 
 def main() -> None:
@@ -417,6 +435,18 @@ def main() -> None:
     parser.add_argument("--deep", type=int, default=1_000_000, help="the deep backlog")
     parser.add_argument("--steady-seconds", type=float, default=15.0)
     parser.add_argument("--quick", action="store_true", help="every size divided by ten")
+    parser.add_argument(
+        "--rates", type=int, nargs="+", default=[500, 2000], help="the pinned scenario's loads"
+    )
+    parser.add_argument(
+        "--phases",
+        type=float,
+        nargs=4,
+        default=[120, 600, 180, 120],
+        metavar=("CLEAN", "PINNED", "READERS", "RECOVERY"),
+        help="seconds of each phase of the pinned scenario",
+    )
+    parser.add_argument("--json", type=Path, help="write the pinned scenario's results here")
     parser.add_argument(
         "--only",
         nargs="+",
@@ -448,11 +478,21 @@ def main() -> None:
                 steady(svc, per_second, args.steady_seconds / (1 if scale == 1 else 3))
         if "keyed" in only:
             rates["keyed, 100 keys"] = drain(svc, "keyed, 100 keys", n, keys=100)
+            rates["keyed, 10,000 keys"] = drain(svc, "keyed, 10,000 keys", n, keys=10_000)
         if "backlog" in only:
             shallow_rate = drain(svc, f"backlog {shallow:,}", shallow, rounds=5)
             deep_rate = drain(svc, f"backlog {deep:,}", deep)
         if "horizon" in only:
             pinned = drain(svc, "drain, horizon pinned", n, during=pinned_horizon)
+        if "pinned" in only:
+            phases = [t / scale for t in args.phases]
+            with horizon.autovacuum_on(svc.database_url) as was:
+                print(f"pinned: autovacuum on for the run (it was {was})")
+                runs = [
+                    horizon.pinned(svc, r, phases, relay_command(f"pinned {r}")) for r in args.rates
+                ]
+            if args.json:
+                horizon.write_json(args.json, runs, was)
     print()
     if ceiling is not None:
         print(f"limit (best window): {ceiling:,.0f} msg/s")
@@ -462,6 +502,10 @@ def main() -> None:
         print(f"backlog {deep:,} vs {shallow:,}: {deep_rate / shallow_rate:.0%}")
     if "horizon" in only and "drain, 1 replica" in rates:
         print(f"horizon pinned vs not: {pinned / rates['drain, 1 replica']:.0%}")
+    if "keyed" in only and "drain, 1 replica" in rates:
+        for keys in ("100", "10,000"):
+            keyed = rates[f"keyed, {keys} keys"] / rates["drain, 1 replica"]
+            print(f"keyed drain, {keys} keys, vs unkeyed: {keyed:.0%}")
     print(f"benchmark took {time.perf_counter() - started:.0f}s")
 
 

@@ -1,0 +1,358 @@
+"""The pinned-horizon scenario of the benchmark: steady load while a transaction pins vacuum.
+
+    .venv/bin/python tests/benchmarks/perf.py --only pinned [--rates 500 2000]
+        [--phases 120 600 180 120] [--json results.json]
+
+With PostgreSQL's autovacuum switched on for the run (production has it on; our CI machines turn
+it off in conf.d, so the scenario turns it on with ALTER SYSTEM and a reload, and restores it
+afterwards), producers commit one message per transaction at a fixed rate while one relay with
+its defaults keeps up, and a consumer times each message from just before its COMMIT to its
+delivery. The run goes through four phases:
+
+1. clean: nothing pins the horizon;
+2. pinned: a session holds a transaction with an xid, idle (vacuum can remove nothing newer);
+3. readers: the same, plus 4 REPEATABLE READ readers scanning the outbox tables in overlapping
+   transactions of 30 s (counting every queue table, and the archive's newest minute);
+4. recovery: all of them gone.
+
+Per phase it prints commit-to-delivery p50/p95/p99/max, the committed and delivered rates against
+the offered load, and the exact dead tuples of every outbox table at the phase's end
+(`pgstattuple`; `n_dead_tup` overstates). Dead tuples are also sampled every 15 s (the archive
+and dead tables, which only grow, at phase ends only: scanning a growing archive every few
+seconds would measure the scan). `--json FILE` keeps the timeline for
+`tests/benchmarks/plot.py`, which draws the README's chart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import statistics
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import psycopg
+import uvloop
+from psycopg import sql
+
+from tests.benchmarks.drain import declare, delete
+from tests.support import services
+from tests.support.processes import clean_env
+
+BODY = 1024
+PHASES = ("clean", "pinned", "readers", "recovery")
+#: Tables only written by appends: their dead tuples are counted at phase ends only.
+GROWING = ("archive", "dead")
+SAMPLE_EVERY = 15.0
+READERS = 4
+READER_TRANSACTION = 30.0
+
+
+@dataclass
+class Phase:
+    name: str
+    seconds: float
+    offered: int = 0  # messages per second asked of the producers
+    committed: int = 0
+    delivered: int = 0
+    latencies: list[float] = field(default_factory=list)
+    dead_at_end: dict[str, int] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        cuts = statistics.quantiles(self.latencies, n=100, method="inclusive")
+        return {
+            "phase": self.name,
+            "seconds": self.seconds,
+            "offered": self.offered,
+            "committed_per_s": self.committed / self.seconds,
+            "delivered_per_s": self.delivered / self.seconds,
+            "p50_ms": cuts[49] * 1000,
+            "p95_ms": cuts[94] * 1000,
+            "p99_ms": cuts[98] * 1000,
+            "max_ms": max(self.latencies) * 1000,
+            "dead_tuples": sum(self.dead_at_end.values()),
+            "dead_by_table": self.dead_at_end,
+        }
+
+
+@contextlib.contextmanager
+def autovacuum_on(admin_url: str) -> Iterator[str]:
+    """Autovacuum on for the block (ALTER SYSTEM and a reload), as it was afterwards; yields
+    what it was before."""
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        was = _setting(conn, "autovacuum")
+        own = conn.execute(
+            "SELECT setting FROM pg_file_settings"
+            " WHERE name = 'autovacuum' AND sourcefile LIKE '%%postgresql.auto.conf'"
+        ).fetchone()
+        if was != "on":
+            conn.execute("ALTER SYSTEM SET autovacuum = on")
+            conn.execute("SELECT pg_reload_conf()")
+            _until(lambda: _setting(conn, "autovacuum") == "on", "autovacuum to switch on")
+    try:
+        yield was
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            if was != "on":
+                if own is None:
+                    conn.execute("ALTER SYSTEM RESET autovacuum")
+                else:
+                    conn.execute(f"ALTER SYSTEM SET autovacuum = {own[0]}")  # 'on'/'off' only
+                conn.execute("SELECT pg_reload_conf()")
+                _until(lambda: _setting(conn, "autovacuum") == was, "autovacuum to be restored")
+
+
+def _setting(conn: psycopg.Connection[Any], name: str) -> str:
+    row = conn.execute("SELECT current_setting(%s)", [name]).fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def _until(condition: Any, what: str, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+async def dead_tuples(conn: psycopg.AsyncConnection[Any], growing: bool) -> dict[str, int]:
+    """Exact dead tuples of every table in the outbox schema (partitions included)."""
+    rows = await (
+        await conn.execute(
+            "SELECT c.relname, (pgstattuple(c.oid)).dead_tuple_count"
+            " FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE n.nspname = 'outbox' AND c.relkind = 'r'"
+            " AND (%s OR c.relname <> ALL(%s)) ORDER BY c.relname",
+            [growing, list(GROWING)],
+        )
+    ).fetchall()
+    return {name: int(dead) for name, dead in rows}
+
+
+class Run:
+    """One rate's run through the phases."""
+
+    def __init__(self, url: str, amqp_url: str, exchange: str, rate: int, seconds: list[float]):
+        self.url, self.amqp_url, self.exchange, self.rate = url, amqp_url, exchange, rate
+        self.phases = [Phase(n, s, offered=rate) for n, s in zip(PHASES, seconds, strict=True)]
+        self.committing: dict[str, tuple[float, int]] = {}  # message id -> (time, phase)
+        self.received: dict[str, float] = {}
+        self.samples: list[dict[str, Any]] = []  # the timeline
+        self.start = 0.0
+        self.producing = True
+        self.all_in = asyncio.Event()
+
+    async def main(self) -> None:
+        connection = await aio_pika.connect(self.amqp_url)
+        async with connection:
+            channel = await connection.channel()
+            await channel.set_qos(prefetch_count=1000)
+            queue = await channel.get_queue(self.exchange)
+
+            async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+                now = time.perf_counter()
+                self.received[str(message.message_id)] = now
+                self.phases[self._phase_at(now)].delivered += 1
+                if not self.producing and len(self.received) >= len(self.committing):
+                    self.all_in.set()
+
+            await queue.consume(on_message, no_ack=True)
+            async with await psycopg.AsyncConnection.connect(self.url, autocommit=True) as probe:
+                await probe.execute("CREATE EXTENSION IF NOT EXISTS pgstattuple")
+                self.start = time.perf_counter() + 0.5
+                producing = [asyncio.create_task(self._produce(k)) for k in range(8)]
+                conducting = asyncio.create_task(self._conduct(probe))
+                await asyncio.gather(*producing)
+                await conducting
+            await self._drain_tail()
+
+    def _phase_at(self, now: float) -> int:
+        elapsed = now - self.start
+        for i, phase in enumerate(self.phases):
+            elapsed -= phase.seconds
+            if elapsed < 0:
+                return i
+        return len(self.phases) - 1
+
+    async def _produce(self, k: int, producers: int = 8) -> None:
+        total = sum(p.seconds for p in self.phases)
+        async with await psycopg.AsyncConnection.connect(self.url) as conn:
+            for n in range(int(self.rate * total / producers)):
+                due = self.start + (n * producers + k) / self.rate
+                if (wait := due - time.perf_counter()) > 0:
+                    await asyncio.sleep(wait)
+                row = await (
+                    await conn.execute(
+                        "SELECT outbox.enqueue(%s, 'bench.steady', %s)",
+                        [self.exchange, b"x" * BODY],
+                    )
+                ).fetchone()
+                assert row is not None
+                now = time.perf_counter()
+                phase = self._phase_at(now)
+                self.committing[str(row[0])] = (now, phase)
+                await conn.commit()
+                self.phases[phase].committed += 1
+
+    async def _conduct(self, probe: psycopg.AsyncConnection[Any]) -> None:
+        """Start and end the pin and the readers at the phase boundaries; sample dead tuples."""
+        pin: psycopg.AsyncConnection[Any] | None = None
+        readers: list[asyncio.Task[None]] = []
+        ends = []
+        t = self.start
+        for phase in self.phases:
+            t += phase.seconds
+            ends.append(t)
+        for i, phase in enumerate(self.phases):
+            if phase.name == "pinned":
+                pin = await psycopg.AsyncConnection.connect(self.url)
+                await pin.execute("SELECT pg_current_xact_id()")  # idle in transaction, with an xid
+            if phase.name == "readers":
+                readers = [asyncio.create_task(self._read(r)) for r in range(READERS)]
+            if phase.name == "recovery":
+                for task in readers:
+                    task.cancel()
+                await asyncio.gather(*readers, return_exceptions=True)
+                if pin is not None:
+                    await pin.close()  # rolls back
+            while (left := ends[i] - time.perf_counter()) > 0:
+                await asyncio.sleep(min(SAMPLE_EVERY, left))
+                if ends[i] - time.perf_counter() > 1:
+                    await self._sample(probe, i, growing=False)
+            phase.dead_at_end = await self._sample(probe, i, growing=True)
+
+    async def _sample(
+        self, probe: psycopg.AsyncConnection[Any], phase: int, growing: bool
+    ) -> dict[str, int]:
+        dead = await dead_tuples(probe, growing)
+        self.samples.append(
+            {"t": time.perf_counter() - self.start, "phase": PHASES[phase], "dead": dead}
+        )
+        return dead
+
+    async def _read(self, r: int) -> None:
+        """A REPEATABLE READ reader: scans the queue tables (and the archive's newest minute)
+        three times over 30 s, commits, starts again; staggered against the others."""
+        await asyncio.sleep(r * READER_TRANSACTION / READERS)
+        async with await psycopg.AsyncConnection.connect(self.url) as conn:
+            conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+            tables = [
+                name
+                for (name,) in await (
+                    await conn.execute(
+                        "SELECT c.relname FROM pg_class c"
+                        " JOIN pg_namespace n ON n.oid = c.relnamespace"
+                        " WHERE n.nspname = 'outbox' AND c.relkind IN ('r', 'p')"
+                        " AND NOT c.relispartition AND c.relname <> ALL(%s)",
+                        [list(GROWING)],
+                    )
+                ).fetchall()
+            ]
+            await conn.commit()
+            while True:
+                for _ in range(3):
+                    for name in tables:
+                        await conn.execute(
+                            sql.SQL("SELECT count(*) FROM outbox.{}").format(sql.Identifier(name))
+                        )
+                    await conn.execute(
+                        "SELECT count(*) FROM outbox.archive"
+                        " WHERE published_at > now() - interval '1 minute'"
+                    )
+                    await asyncio.sleep(READER_TRANSACTION / 3)
+                await conn.commit()
+
+    async def _drain_tail(self) -> None:
+        self.producing = False
+        if len(self.received) < len(self.committing):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.all_in.wait(), 60)
+        if lost := set(self.committing) - set(self.received):
+            raise SystemExit(f"pinned {self.rate}/s: {len(lost)} messages not received in 60 s")
+        for message_id, (committed, phase) in self.committing.items():
+            if committed > self.start + 1:  # after a second of warm-up
+                self.phases[phase].latencies.append(self.received[message_id] - committed)
+
+    def timeline(self, bucket: float = 5.0) -> list[dict[str, Any]]:
+        """p50/p99 latency by commit time, in buckets of `bucket` seconds."""
+        buckets: dict[int, list[float]] = {}
+        for message_id, (committed, _) in self.committing.items():
+            if message_id in self.received:
+                key = int((committed - self.start) // bucket)
+                buckets.setdefault(key, []).append(self.received[message_id] - committed)
+        out = []
+        for key in sorted(buckets):
+            values = sorted(buckets[key])
+            out.append(
+                {
+                    "t": key * bucket,
+                    "p50_ms": values[len(values) // 2] * 1000,
+                    "p99_ms": values[min(len(values) - 1, int(len(values) * 0.99))] * 1000,
+                    "n": len(values),
+                }
+            )
+        return out
+
+
+def pinned(
+    svc: services.Services, rate: int, seconds: list[float], relay: list[str]
+) -> dict[str, Any]:
+    """One rate through the four phases; prints a line per phase and returns the results."""
+    with svc.scratch_database("outbox_perf") as url:
+        exchange = f"outbox-perf.{uuid.uuid4().hex[:8]}"
+        asyncio.run(declare(svc.amqp_url, exchange, exchange))
+        env = clean_env(
+            OUTBOX_DATABASE_URL=url, OUTBOX_AMQP_URL=svc.amqp_url, OUTBOX_LOG_FORMAT="text"
+        )
+        proc = subprocess.Popen([*relay, "run"], env=env, stderr=subprocess.PIPE, text=True)
+        run = Run(url, svc.amqp_url, exchange, rate, seconds)
+        try:
+            assert proc.stderr is not None
+            if not any(" ready: schema=" in line for line in proc.stderr):
+                raise SystemExit(f"relay exited ({proc.wait()}) before it was ready")
+            uvloop.run(run.main())
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        asyncio.run(delete(svc.amqp_url, exchange, exchange))
+    phases = [p.summary() for p in run.phases]
+    for p in phases:
+        tables = ", ".join(f"{k} {v:,}" for k, v in p["dead_by_table"].items() if v)
+        print(
+            f"pinned {rate:,}/s, {p['phase']} ({p['seconds']:.0f}s): p50 {p['p50_ms']:.1f} ms, "
+            f"p95 {p['p95_ms']:.1f} ms, p99 {p['p99_ms']:.1f} ms, max {p['max_ms']:.0f} ms; "
+            f"committed {p['committed_per_s']:,.0f}/s, delivered {p['delivered_per_s']:,.0f}/s "
+            f"of {rate:,}/s offered; dead tuples at its end {p['dead_tuples']:,}"
+            + (f" ({tables})" if tables else "")
+        )
+    clean, pin = phases[0], phases[1]
+    print(
+        f"pinned {rate:,}/s: p99 pinned / clean {pin['p99_ms'] / clean['p99_ms']:.2f}x; "
+        f"recovery {_recovery(run, clean['p99_ms']):s}"
+    )
+    return {"rate": rate, "phases": phases, "samples": run.samples, "latency": run.timeline()}
+
+
+def _recovery(run: Run, clean_p99_ms: float) -> str:
+    """How long after the pin's end the 5-s p99 stays within 1.2x the clean phase's p99."""
+    end = sum(p.seconds for p in run.phases[:3])
+    after = [b for b in run.timeline() if b["t"] >= end]
+    for i, bucket in enumerate(after):
+        if all(b["p99_ms"] <= 1.2 * clean_p99_ms for b in after[i:]):
+            return f"within 1.2x of clean p99 after {bucket['t'] - end:.0f}s"
+    return "never back within 1.2x of clean p99"
+
+
+def write_json(path: Path, results: list[dict[str, Any]], autovacuum_was: str) -> None:
+    path.write_text(json.dumps({"autovacuum_was": autovacuum_was, "runs": results}, indent=1))
