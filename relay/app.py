@@ -141,6 +141,8 @@ async def components(
         tls=amqp_tls(settings),
     )
     try:
+        # From now on producers may use the ready lane: a relay that knows it is running.
+        await startup("PostgreSQL", store.use_fast_lane, settings.startup_timeout, stop)
         await startup("RabbitMQ", publisher.connect, settings.startup_timeout, stop)
         wake, recheck = asyncio.Event(), asyncio.Event()
         listener = Listener(database_url, settings.db_schema, wake, recheck)
@@ -315,7 +317,27 @@ def _chores(settings: config.Settings, parts: Components, watcher: Watcher) -> l
             await _forget_keys(parts.store, settings.key_retention, parts.metrics)
 
         found.append(chores.Chore("keys", forget, KEY_CHECK_INTERVAL, on_error=failed))
+
+    async def reclaim() -> None:
+        await _reclaim(parts.store)
+
+    found.append(chores.Chore("reclaim", reclaim, RECLAIM_INTERVAL, on_error=failed))
     return found
+
+
+#: How often a relay looks for segments of the ready lane to TRUNCATE (docs/decisions/0004).
+RECLAIM_INTERVAL = 5.0
+
+
+async def _reclaim(store: PgStore) -> None:
+    """TRUNCATE what the ready lane is done with; an outage only postpones it to the next."""
+    try:
+        reclaimed = await store.reclaim()
+    except errors.TransientError as exc:
+        log.debug("could not reclaim ready-lane segments: %s", exc)
+        return
+    if reclaimed:
+        log.debug("reclaimed %d ready-lane segments", reclaimed)
 
 
 #: How often a relay looks for ordering keys to forget (OUTBOX_KEY_RETENTION).

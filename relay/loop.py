@@ -244,6 +244,7 @@ class Relay:
         """Bury orphans that used up their attempts, then take the others one at a time. Orphans
         appear only when a lease runs out, so looking twice per lease is often enough."""
         self._next_orphan_check = self._clock() + self._options.lease / 2
+        await self._store.release_orphans(self._options.lease)
         report = await self._bury()
         for _ in range(self._options.batch_size):
             if self._stopping.is_set() or self._publisher.blocked:

@@ -22,6 +22,11 @@ class Store(Protocol):
         with fewer than `max_attempts` claims; the others are bury_exhausted's."""
         ...
 
+    async def release_orphans(self, lease: float) -> int:
+        """Move rows of the ready lane whose claim's lease ran out unsettled to where
+        claim_orphans and bury_exhausted find them; how many."""
+        ...
+
     async def bury_exhausted(self, max_attempts: int) -> list[tuple[UUID, int]]:
         """Move every orphan with `max_attempts` claims to dead without reading it; return each
         one's message_id and attempts."""

@@ -2,39 +2,18 @@
 -- and `{new_channel}` by the quoted NOTIFY channel; nothing else is ever spliced into these texts.
 
 -- name: claim_batch
--- Lease up to %(limit)s due, unclaimed rows that may go now (not gated behind an earlier message
--- of their key) under a new claim id, counting the attempt. SKIP LOCKED
--- lets replicas claim side by side; leases are judged by the database clock, never a relay's.
--- headers and properties come back as text: the relay decodes them row by row, so one row it cannot
--- read is dead-lettered on its own instead of failing the whole claim.
--- The batch also stops at %(max_bytes)s of bodies, headers and properties (but takes at least
--- one row), so big messages cannot make a batch outgrow the relay's memory; rows locked beyond
--- that go back at commit, and `locked` > rows returned tells the relay more are waiting.
-WITH due AS MATERIALIZED (
-    SELECT id, available_at,
-           octet_length(body) + pg_column_size(headers) + pg_column_size(properties) AS bytes
-    FROM {schema}.messages
-    WHERE claim_id IS NULL AND NOT gated AND available_at <= now()
-    ORDER BY available_at, id
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
-), taken AS MATERIALIZED (
-    SELECT id
-    FROM (SELECT id, bytes, sum(bytes) OVER (ORDER BY available_at, id) AS running
-          FROM due) AS sized
-    WHERE running <= %(max_bytes)s OR running = bytes
-)
-UPDATE {schema}.messages AS m
-SET attempts = m.attempts + 1,
-    claim_id = %(claim_id)s,
-    claimed_by = %(claimed_by)s,
-    claimed_at = now(),
-    available_at = now() + make_interval(secs => %(lease)s)
-FROM taken
-WHERE m.id = taken.id
-RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.body, m.headers::text,
-          m.properties::text, m.ordering_key, m.created_at, m.attempts, m.ambiguous, m.last_error,
-          m.seq, m.replays, m.replayed_at, m.replayed_from, (SELECT count(*) FROM due) AS locked;
+-- Lease up to %(limit)s due rows that may go now under a new claim id, counting the attempt: the
+-- slow lane's (messages: scheduled, keyed, retried, replayed), then a page of the ready lane's
+-- window (migration 0015, docs/decisions/0004). The window's state comes back in a trailer row
+-- (message_id NULL) and goes into the next claim. SKIP LOCKED lets replicas claim side by side;
+-- leases are judged by the database clock, never a relay's. headers and properties come back as
+-- text: the relay decodes them row by row, so one row it cannot read is dead-lettered on its own.
+-- The batch stops at %(max_bytes)s of bodies, headers and properties (at least one row), so big
+-- messages cannot make a batch outgrow the relay's memory; `locked` > rows returned (per lane)
+-- tells the relay more are waiting.
+SELECT *
+FROM {schema}.claim_batch(%(limit)s, %(max_bytes)s, %(claim_id)s, %(claimed_by)s, %(lease)s,
+                          %(prev)s, %(hi)s, %(xid)s::xid8, %(cursor)s, %(ready_first)s);
 
 -- name: claim_orphans
 -- The same for orphans: rows whose lease ran out without a settle because their relay died.
@@ -66,12 +45,24 @@ SELECT buried_id, buried_attempts
 FROM {schema}.bury_exhausted(%(max_attempts)s, %(limit)s);
 
 -- name: extend_leases
--- A heartbeat, or the check before publishing: push the lease of rows this claim still holds, and
--- say which those are (rows re-claimed elsewhere are skipped, and must not be published).
-UPDATE {schema}.messages
-SET available_at = now() + make_interval(secs => %(lease)s)
-WHERE id = ANY(%(ids)s::bigint[]) AND claim_id = %(claim_id)s
-RETURNING id;
+-- A heartbeat, or the check before publishing: push the lease of rows this claim still holds, in
+-- either lane, and say which those are (rows re-claimed elsewhere are skipped, and must not be
+-- published).
+SELECT id FROM {schema}.extend_leases(%(claim_id)s, %(ids)s::bigint[], %(lease)s) AS id;
+
+-- name: release_orphans
+-- One page of moving the ready lane's orphans (leases run out since %(after)s) into messages,
+-- where the orphan claim and bury_exhausted take them (migration 0015).
+SELECT looked, moved, last_until, checked_at
+FROM {schema}.release_orphans(%(after)s, %(limit)s);
+
+-- name: reclaim_segment
+-- TRUNCATE one segment of the ready lane's ring if every row in it is done (migration 0015).
+SELECT {schema}.reclaim_segment(%(seg)s);
+
+-- name: use_fast_lane
+-- From now on producers use the ready lane (a relay of this version is running).
+SELECT {schema}.use_fast_lane();
 
 -- name: settle
 -- Every transition of one claim, in one statement and one transaction (migration 0013).
@@ -91,17 +82,31 @@ SELECT forgotten, last_key
 FROM {schema}.forget_idle_keys(make_interval(secs => %(idle)s), %(after)s, %(limit)s);
 
 -- name: message_stats
-SELECT
-    count(*) FILTER (WHERE NOT leased) AS pending,
-    count(*) FILTER (WHERE NOT leased AND available_at <= now()) AS due,
-    count(*) FILTER (WHERE NOT leased AND available_at > now()) AS scheduled,
-    count(*) FILTER (WHERE leased) AS in_flight,
-    extract(epoch FROM now() - min(created_at) FILTER (WHERE NOT leased AND available_at <= now()))
-        AS oldest_pending_age
-FROM (
-    SELECT created_at, available_at, claim_id IS NOT NULL AND available_at > now() AS leased
-    FROM {schema}.messages
-) AS m;
+-- The ready lane counts by differences (every claimed row has a claims row, every ended one a done
+-- row), so no count needs an anti-join; only its oldest unclaimed row does.
+WITH slow AS (
+    SELECT
+        count(*) FILTER (WHERE NOT leased) AS pending,
+        count(*) FILTER (WHERE NOT leased AND available_at <= now()) AS due,
+        count(*) FILTER (WHERE NOT leased AND available_at > now()) AS scheduled,
+        count(*) FILTER (WHERE leased) AS in_flight,
+        min(created_at) FILTER (WHERE NOT leased AND available_at <= now()) AS oldest
+    FROM (
+        SELECT created_at, available_at, claim_id IS NOT NULL AND available_at > now() AS leased
+        FROM {schema}.messages
+    ) AS m
+), fast AS (
+    SELECT (SELECT count(*) FROM {schema}.ready) - (SELECT count(*) FROM {schema}.claims) AS due,
+           (SELECT count(*) FROM {schema}.claims) - (SELECT count(*) FROM {schema}.done)
+               AS in_flight,
+           (SELECT min(r.created_at) FROM {schema}.ready r
+            WHERE NOT EXISTS (SELECT 1 FROM {schema}.claims c
+                              WHERE c.seg = r.seg AND c.id = r.id)) AS oldest
+)
+SELECT slow.pending + fast.due AS pending, slow.due + fast.due AS due, slow.scheduled,
+       slow.in_flight + fast.in_flight AS in_flight,
+       extract(epoch FROM now() - least(slow.oldest, fast.oldest)) AS oldest_pending_age
+FROM slow, fast;
 
 -- name: blocked_key_count
 SELECT count(*) FROM {schema}.blocked_keys;
@@ -212,11 +217,13 @@ DELETE FROM {schema}.key_policies WHERE prefix = %(prefix)s AND prefix <> '';
 
 -- name: observe
 -- The gauges' one query: backlog by state, the longest wait, dead rows, blocked keys, and the
--- database's health. Every count reads an index (capped at a million), never the table.
+-- database's health. Every count of messages reads an index (capped at a million), never the
+-- table; the ready lane's are counts of its ring (bounded by the segments not yet reclaimed).
 SELECT
     (SELECT count(*) FROM (SELECT 1 FROM {schema}.messages
                            WHERE claim_id IS NULL AND NOT gated AND available_at <= now()
-                           LIMIT 1000000) AS s) AS due,
+                           LIMIT 1000000) AS s)
+    + (SELECT count(*) FROM {schema}.ready) - (SELECT count(*) FROM {schema}.claims) AS due,
     (SELECT count(*) FROM (SELECT 1 FROM {schema}.messages
                            WHERE claim_id IS NULL AND NOT gated AND available_at > now()
                            LIMIT 1000000) AS s) AS scheduled,
@@ -224,10 +231,15 @@ SELECT
                            LIMIT 1000000) AS s) AS gated,
     (SELECT count(*) FROM (SELECT 1 FROM {schema}.messages
                            WHERE claim_id IS NOT NULL AND available_at > now()
-                           LIMIT 1000000) AS s) AS in_flight,
-    (SELECT extract(epoch FROM now() - available_at) FROM {schema}.messages
-     WHERE claim_id IS NULL AND NOT gated AND available_at <= now()
-     ORDER BY available_at, id LIMIT 1) AS oldest_due,
+                           LIMIT 1000000) AS s)
+    + (SELECT count(*) FROM {schema}.claims) - (SELECT count(*) FROM {schema}.done) AS in_flight,
+    extract(epoch FROM now() - least(
+        (SELECT available_at FROM {schema}.messages
+         WHERE claim_id IS NULL AND NOT gated AND available_at <= now()
+         ORDER BY available_at, id LIMIT 1),
+        (SELECT min(r.created_at) FROM {schema}.ready r
+         WHERE NOT EXISTS (SELECT 1 FROM {schema}.claims c WHERE c.seg = r.seg AND c.id = r.id))
+    )) AS oldest_due,
     (SELECT count(*) FROM (SELECT 1 FROM {schema}.dead LIMIT 1000000) AS s) AS dead,
     (SELECT count(*) FROM {schema}.blocked_keys) AS blocked_keys,
     (SELECT n_dead_tup FROM pg_stat_user_tables

@@ -21,14 +21,15 @@ GRANT EXECUTE ON FUNCTION
     {schema}.enqueue_many(text[], text[], bytea[], jsonb[], jsonb[], timestamptz[], text[], uuid[])
 TO {producer};
 
--- Relays: claim and lease (an UPDATE of the lease columns only), settle, bury, release stranded
--- keyed rows and forget idle keys (functions that move whole rows and run as the owner, migration
--- 0013), prune the archive by its retention, and read what the gauges count. A relay cannot write
+-- Relays: claim and lease (functions since migration 0015; relays of earlier versions ran their
+-- own statements, which need the UPDATE of the lease columns only), settle, bury, release
+-- stranded keyed rows, forget idle keys, move the ready lane's orphans and reclaim its segments
+-- (functions that move whole rows and run as the owner, migrations 0013 and 0015), prune the archive by its retention, and read what the gauges count. A relay cannot write
 -- a message's content, destination, key or gate, insert or delete one, insert a dead or archived
 -- row, or touch keys, blocks, settings or key policies. (FOR UPDATE in the claim needs UPDATE on a
 -- column, which the lease columns are.)
 GRANT SELECT ON {schema}.messages, {schema}.archive, {schema}.dead, {schema}.blocked_keys,
-                {schema}.schema_migrations
+                {schema}.ready, {schema}.claims, {schema}.done, {schema}.schema_migrations
 TO {relay};
 GRANT UPDATE (attempts, claim_id, claimed_by, claimed_at, available_at) ON {schema}.messages
 TO {relay};
@@ -38,7 +39,13 @@ GRANT EXECUTE ON FUNCTION
                     boolean[], bigint[], boolean),
     {schema}.bury_exhausted(integer, integer),
     {schema}.release_stranded(integer),
-    {schema}.forget_idle_keys(interval, text, integer)
+    {schema}.forget_idle_keys(interval, text, integer),
+    {schema}.claim_batch(integer, bigint, uuid, text, float8, text, text, xid8, bigint,
+                         boolean),
+    {schema}.extend_leases(uuid, bigint[], float8),
+    {schema}.release_orphans(timestamptz, integer),
+    {schema}.reclaim_segment(integer),
+    {schema}.use_fast_lane()
 TO {relay};
 
 -- Operators: the CLI's dead-letter, archive, keys and stats commands and the data pipeline:

@@ -21,6 +21,9 @@ class Queries:
     claim_orphans: LiteralString
     bury_exhausted: LiteralString
     extend_leases: LiteralString
+    release_orphans: LiteralString
+    reclaim_segment: LiteralString
+    use_fast_lane: LiteralString
     settle: LiteralString
     release_stranded: LiteralString
     forget_idle_keys: LiteralString

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from datetime import datetime, timedelta
 from typing import Any, LiteralString
 from uuid import UUID
 
@@ -23,6 +27,73 @@ POOL_WAIT = 3.0
 BATCH_MAX_BYTES = 64 * 1024 * 1024
 #: Rows one bury, one recheck or one page of forgetting keys handles per transaction.
 CHUNK = 1000
+#: Segments in the ready lane's ring (migration 0015).
+SEGMENTS = 8
+
+
+#: A relay walks the whole ready lane at least this often (seconds): rows a window had to leave
+#: behind (below) are found then.
+FULL_PASS_EVERY = 60.0
+#: How long a window may stay open because a row in it is held by someone else's claim that has
+#: not committed (seconds) before the relay moves on; the next full pass finds the row.
+STRAGGLER_WAIT = 2.0
+#: The ready lane's orphans are looked for among leases that ran out since the last look; at
+#: least this often (seconds), among all of them (a row skipped while another session held it).
+FULL_ORPHAN_PASS_EVERY = 300.0
+WHOLE_LANE = "1:1:"
+
+
+@dataclasses.dataclass(slots=True)
+class Window:
+    """Where this relay is in the ready lane (docs/decisions/0004): the window of transactions
+    that committed after snapshot `prev` and before `hi` (None: the next claim opens one), and
+    the cursor in it. A new relay's first window covers the whole lane, and so does one at least
+    every FULL_PASS_EVERY seconds."""
+
+    clock: Callable[[], float] = time.monotonic
+    prev: str = WHOLE_LANE
+    hi: str | None = None
+    xid: str = "0"
+    id: int = 0
+    ready_first: bool = False
+    full_pass_at: float | None = None  # when the last window over the whole lane opened
+    stuck_since: float | None = None  # since when a row in the window is held by someone else
+
+    def params(self) -> dict[str, Any]:
+        now = self.clock()
+        if self.hi is None and (
+            self.full_pass_at is None or now - self.full_pass_at >= FULL_PASS_EVERY
+        ):
+            self.prev, self.full_pass_at = WHOLE_LANE, now
+        self.ready_first = not self.ready_first  # the lanes take turns to go first
+        return {
+            "prev": self.prev,
+            "hi": self.hi,
+            "xid": self.xid,
+            "cursor": self.id,
+            "ready_first": self.ready_first,
+        }
+
+    def moved(self, trailer: Any) -> None:
+        """Take the window's state from a claim's trailer row."""
+        if trailer.window_closed:
+            self._close(trailer.window_hi)
+            return
+        went_back = (int(trailer.window_xid), trailer.window_id) < (int(self.xid), self.id)
+        self.hi, self.xid, self.id = trailer.window_hi, str(trailer.window_xid), trailer.window_id
+        if not went_back:
+            self.stuck_since = None
+        elif self.stuck_since is None:
+            self.stuck_since = self.clock()
+        elif self.clock() - self.stuck_since >= STRAGGLER_WAIT:
+            self._close(trailer.window_hi)  # the full pass will find what is held
+
+    def forget(self) -> None:
+        """After an outage (the server may have restarted): walk the whole lane next."""
+        self.hi, self.full_pass_at = None, None
+
+    def _close(self, hi: str) -> None:
+        self.prev, self.hi, self.xid, self.id, self.stuck_since = hi, None, "0", 0, None
 
 
 class PgStore:
@@ -42,6 +113,10 @@ class PgStore:
         self._relay_name = relay_name
         self._batch_max_bytes = batch_max_bytes
         self._synchronous_commit = synchronous_commit
+        self._window = Window()
+        self._claiming = asyncio.Lock()  # the window moves one claim at a time
+        self._orphans_after: datetime | None = None  # where the next look for orphans starts
+        self._full_orphan_pass_at = time.monotonic()
 
     @classmethod
     async def open(
@@ -111,31 +186,80 @@ class PgStore:
             )
         return version
 
+    async def use_fast_lane(self) -> None:
+        """Let producers use the ready lane: a relay that knows it is running."""
+        async with self._connection() as conn:
+            await conn.execute(self._q.use_fast_lane)
+
     async def claim(self, limit: int, lease: float) -> model.Claim:
-        return await self._claim(self._q.claim_batch, limit, lease)
+        async with self._claiming:
+            params = {**self._claim_params(limit, lease), **self._window.params()}
+            try:
+                rows = await self._fetch(self._q.claim_batch, params)
+            except errors.DatabaseUnavailable:
+                self._window.forget()
+                raise
+            trailer = rows.pop()
+            self._window.moved(trailer)
+        slow = [row for row in rows if row.lane == "messages"]
+        cut_short = (bool(slow) and slow[0].locked > len(slow)) or trailer.locked > len(rows) - len(
+            slow
+        )
+        return model.Claim(params["claim_id"], tuple(_message(row) for row in rows), cut_short)
 
     async def claim_orphans(self, limit: int, lease: float, max_attempts: int) -> model.Claim:
-        return await self._claim(self._q.claim_orphans, limit, lease, max_attempts)
+        params = {**self._claim_params(limit, lease), "max_attempts": max_attempts}
+        rows = await self._fetch(self._q.claim_orphans, params)
+        return model.Claim(params["claim_id"], tuple(_message(row) for row in rows))
 
-    async def _claim(
-        self, query: LiteralString, limit: int, lease: float, max_attempts: int = 0
-    ) -> model.Claim:
-        claim_id = uuid.uuid4()
-        params = {
+    def _claim_params(self, limit: int, lease: float) -> dict[str, Any]:
+        return {
             "limit": limit,
             "max_bytes": self._batch_max_bytes,
             "lease": lease,
-            "claim_id": claim_id,
+            "claim_id": uuid.uuid4(),
             "claimed_by": self._relay_name,
-            "max_attempts": max_attempts,
         }
+
+    async def _fetch(self, query: LiteralString, params: dict[str, Any]) -> list[Any]:
         async with self._connection() as conn:
             cur = conn.cursor(row_factory=namedtuple_row)
             await cur.execute(query, params)
-            rows = await cur.fetchall()
-        locked: int = getattr(rows[0], "locked", 0) if rows else 0
-        cut_short = locked > len(rows)
-        return model.Claim(claim_id, tuple(_message(row) for row in rows), cut_short)
+            return await cur.fetchall()
+
+    async def release_orphans(self, lease: float) -> int:
+        """Move the ready lane's orphans (claims whose lease ran out unsettled) into messages,
+        where claim_orphans and bury_exhausted find them; how many. Looks at the leases that ran
+        out since the last look (less a lease, for claims that committed late)."""
+        moved = 0
+        if time.monotonic() - self._full_orphan_pass_at >= FULL_ORPHAN_PASS_EVERY:
+            self._orphans_after, self._full_orphan_pass_at = None, time.monotonic()
+        while True:
+            params = {"after": self._orphans_after, "limit": CHUNK}
+            async with self._connection() as conn:
+                cur = await conn.execute(self._q.release_orphans, params)
+                looked, n, last_until, checked_at = await _one(cur)
+            moved += int(n)
+            if looked < CHUNK:
+                self._orphans_after = checked_at - timedelta(seconds=lease)
+                return moved
+            self._orphans_after = last_until
+
+    def shift_orphan_cursor(self, seconds: float) -> None:
+        """Move where the next look for orphans starts back by `seconds` (the interleaving
+        tests move stored times back to make time pass)."""
+        if self._orphans_after is not None:
+            self._orphans_after -= timedelta(seconds=seconds)
+
+    async def reclaim(self) -> int:
+        """TRUNCATE the ready lane's segments whose rows are all done; how many."""
+        reclaimed = 0
+        for seg in range(SEGMENTS):
+            async with self._connection() as conn:
+                cur = await conn.execute(self._q.reclaim_segment, {"seg": seg})
+                (done,) = await _one(cur)
+            reclaimed += bool(done)
+        return reclaimed
 
     async def bury_exhausted(self, max_attempts: int) -> list[tuple[UUID, int]]:
         buried: list[tuple[UUID, int]] = []

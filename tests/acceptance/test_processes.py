@@ -73,7 +73,7 @@ async def test_two_relays_share_5000_messages_without_duplicates(
     counts = collections.Counter(g.message_id for g in got)
     assert set(counts) == set(ids)
     assert max(counts.values()) == 1
-    assert scalar(database_url, "SELECT count(*) FROM outbox.messages") == 0
+    assert scalar(database_url, "SELECT count(*) FROM outbox.waiting") == 0
     assert scalar(database_url, "SELECT count(*) FROM outbox.archive") == 5000
     assert "stopped cleanly" in first.output
     assert "stopped cleanly" in second.output
@@ -103,7 +103,7 @@ async def test_sigterm_stops_claiming_settles_the_batch_in_flight_and_exits_zero
     assert (
         scalar(
             database_url,
-            "SELECT count(*) FROM outbox.messages WHERE claim_id IS NOT NULL"
+            "SELECT count(*) FROM outbox.waiting WHERE claim_id IS NOT NULL"
             " AND available_at > now()",
         )
         == 0
@@ -132,7 +132,7 @@ async def test_killed_relay_rows_are_delivered_by_another_after_the_lease(
                 lambda: (
                     scalar(
                         database_url,
-                        "SELECT count(*) FROM outbox.messages WHERE claim_id IS NOT NULL",
+                        "SELECT count(*) FROM outbox.waiting WHERE claim_id IS NOT NULL",
                     )
                     == 50
                 ),
@@ -141,7 +141,7 @@ async def test_killed_relay_rows_are_delivered_by_another_after_the_lease(
             doomed.kill()
             proxy.cut()  # what it wrote never reaches the broker
     in_flight = scalar(
-        database_url, "SELECT count(*) FROM outbox.messages WHERE available_at > now()"
+        database_url, "SELECT count(*) FROM outbox.waiting WHERE available_at > now()"
     )
     assert in_flight == 50  # still leased to the dead relay
     with RelayProcess(relay_env(database_url, amqp_url)) as rescuer:
@@ -151,7 +151,7 @@ async def test_killed_relay_rows_are_delivered_by_another_after_the_lease(
     got = await broker.collect(50, settle=0.5)
     assert sorted(g.message_id for g in got) == sorted(ids)
     assert scalar(database_url, "SELECT min(attempts) FROM outbox.archive") == 2
-    assert scalar(database_url, "SELECT count(*) FROM outbox.messages") == 0
+    assert scalar(database_url, "SELECT count(*) FROM outbox.waiting") == 0
 
 
 async def test_broker_restart_mid_run_loses_nothing(
@@ -189,7 +189,7 @@ async def test_broker_restart_mid_run_loses_nothing(
     got = await broker.collect(len(committed), timeout=60, settle=0.5)
     counts = collections.Counter(g.message_id for g in got)
     assert set(counts) == set(committed), "every committed message reached the queue"
-    assert scalar(database_url, "SELECT count(*) FROM outbox.messages") == 0
+    assert scalar(database_url, "SELECT count(*) FROM outbox.waiting") == 0
 
 
 def proxied(url: str, proxy: TcpProxy) -> str:
@@ -221,7 +221,7 @@ async def test_sigterm_on_a_stalled_broker_gives_rows_back_for_another_relay_at_
                 lambda: (
                     scalar(
                         database_url,
-                        "SELECT count(*) FROM outbox.messages WHERE claim_id IS NOT NULL",
+                        "SELECT count(*) FROM outbox.waiting WHERE claim_id IS NOT NULL",
                     )
                     == 20
                 ),
@@ -234,7 +234,7 @@ async def test_sigterm_on_a_stalled_broker_gives_rows_back_for_another_relay_at_
     assert (
         scalar(
             database_url,
-            "SELECT count(*) FROM outbox.messages WHERE claim_id IS NULL"
+            "SELECT count(*) FROM outbox.waiting WHERE claim_id IS NULL"
             " AND available_at <= now() AND attempts = 0",
         )
         == 20
@@ -277,7 +277,7 @@ async def test_row_that_kills_its_relay_is_buried_and_spares_the_others(
 
                 def died_or_done(proc: RelayProcess = proc) -> bool:
                     return proc.proc.poll() is not None or (
-                        scalar(database_url, "SELECT count(*) FROM outbox.messages") == 0
+                        scalar(database_url, "SELECT count(*) FROM outbox.waiting") == 0
                     )
 
                 until(died_or_done, timeout=60, interval=0.05, message="a death or the end")

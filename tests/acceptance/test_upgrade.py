@@ -30,7 +30,8 @@ from tests.support.wait import until
 
 pytestmark = pytest.mark.slow
 
-#: The last release before migrations 0010–0014 (the key gate and the relay's functions).
+#: The last release before migrations 0010–0015 (the key gate, the relay's functions, the ready
+#: lane).
 PREVIOUS = "21e837a"
 REPO = Path(__file__).resolve().parents[2]
 
@@ -142,6 +143,13 @@ def archived(url: str, schema: str) -> int:
     return int(row[0]) if row else 0
 
 
+def ready_rows(url: str, schema: str) -> int:
+    with psycopg.connect(url) as conn:
+        query = sql.SQL("SELECT count(*) FROM {}.done").format(sql.Identifier(schema))
+        row = conn.execute(query).fetchone()
+    return int(row[0]) if row else 0
+
+
 def more_archived(url: str, schema: str, than: int) -> int:
     return until(lambda: archived(url, schema) > than + 50 and archived(url, schema), timeout=60)
 
@@ -172,11 +180,12 @@ async def test_a_rolling_upgrade_under_traffic_loses_nothing_and_keeps_keys_in_o
             old.wait_ready()
             seen = more_archived(owner, schema, 0)
             result = migrate.migrate(owner, schema)  # under the old relay, messages waiting
-            assert [m.version for m in result.applied] == [10, 11, 12, 13, 14]
+            assert [m.version for m in result.applied] == [10, 11, 12, 13, 14, 15]
             seen = more_archived(owner, schema, seen)  # the old relay relays on
             with RelayProcess(env) as new:
                 procs.append(new)
-                new.wait_ready()
+                new.wait_ready()  # producers now use the ready lane (0015), which only it reads
+                seen = more_archived(owner, schema, seen)  # both relays side by side
                 assert old.stop() == 0, old.output
                 roles.ensure(owner, schema)  # after the rollout: the narrowed grants
                 seen = more_archived(owner, schema, seen)
@@ -191,6 +200,7 @@ async def test_a_rolling_upgrade_under_traffic_loses_nothing_and_keeps_keys_in_o
         raise
     finally:
         traffic.stop()
+    assert ready_rows(owner, schema) > 0  # the new relay's lane was in use
     got = await broker.collect(len(traffic.committed), timeout=60, settle=0.5)
     assert {g.message_id for g in got} == traffic.committed
     firsts: dict[str, list[int]] = collections.defaultdict(list)

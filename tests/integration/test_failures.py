@@ -129,20 +129,20 @@ async def test_heartbeats_keep_a_slow_batch_from_being_claimed_twice(
             ids = await enqueue(database_url, *messages(broker.exchange, 10))
             await until_async(
                 lambda: scalar(
-                    database_url, "SELECT count(*) FROM outbox.messages WHERE claimed_by = 'slow'"
+                    database_url, "SELECT count(*) FROM outbox.waiting WHERE claimed_by = 'slow'"
                 ),
                 message="the slow relay's claim",
             )
             async with running(rescuer):
                 # Three leases pass by the database's clock; the rescuer must not see orphans.
                 three_leases = (
-                    "SELECT bool_and(now() > claimed_at + interval '3 s') FROM outbox.messages"
+                    "SELECT bool_and(now() > claimed_at + interval '3 s') FROM outbox.waiting"
                 )
                 await until_async(
                     lambda: scalar(database_url, three_leases), timeout=15, message="three leases"
                 )
                 holders = await query(
-                    database_url, "SELECT DISTINCT claimed_by, claim_id FROM outbox.messages"
+                    database_url, "SELECT DISTINCT claimed_by, claim_id FROM outbox.waiting"
                 )
                 assert len(holders) == 1
                 assert holders[0][0] == "slow"

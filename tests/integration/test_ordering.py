@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 
 import relay
-from relay import admin, sql
+from relay import admin
 from tests.support.amqp import Broker
 from tests.support.inprocess import query, running, settings_for, wait_for_count
 
@@ -180,16 +180,23 @@ def test_claims_read_only_due_rows_from_the_index(database_url: str) -> None:
         )
         conn.execute("ANALYZE outbox.messages")
         conn.commit()
-        claim = sql.load("outbox").claim_batch
+        # The slow lane's claim is the body of _slow_claim (migration 0015): explain that.
+        body = conn.execute(
+            "SELECT prosrc FROM pg_proc WHERE oid = 'outbox._slow_claim'::regproc"
+        ).fetchone()
+        assert body is not None
+        claim = str(body[0])
+        for name, value in (
+            ("p_limit", "500"),
+            ("p_max_bytes", str(2**26)),
+            ("p_lease", "30"),
+            ("p_claim_id", "NULL::uuid"),
+            ("p_claimed_by", "'explain'"),
+        ):
+            claim = claim.replace(name, value)
+        conn.execute("SET search_path = outbox")
         plan = conn.execute(
-            b"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + claim.encode(),
-            {
-                "limit": 500,
-                "max_bytes": 2**26,
-                "lease": 30,
-                "claim_id": None,
-                "claimed_by": "explain",
-            },
+            ("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + claim).encode()
         ).fetchone()
         conn.rollback()
     assert plan is not None

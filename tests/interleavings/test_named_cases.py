@@ -168,3 +168,41 @@ def test_a_producer_commit_never_waits_for_a_settle_of_its_predecessors(world: W
     assert world.finish() == []
     assert [seq for seq, _, _ in sent(world, "a")] == [1, 2]
     assert [seq for seq, _, _ in sent(world, "b")] == [1, 2]
+
+
+# -- the ready lane (issue 18): unkeyed messages that are due at once -------------------------
+
+
+def test_a_ready_row_whose_producer_commits_after_later_ones_is_sent(world: World) -> None:
+    # The first producer's transaction takes its row (and xid) first and commits last: relay a's
+    # window has long passed the later rows by then, and a must still find it, at once.
+    a, _ = world.relays
+    early = world.producers[0]
+    world.begin(early, repeatable=False)
+    world.enqueue(early, None)
+    world.commit_now(None, None)
+    world.grant(world.until(a, "publish"), "ack")  # the two later rows
+    world.until(a, "claim")  # settled; a's next claim finds nothing new…
+    world.grant(world.first(a, "claim"))
+    world.commit(early)  # …until the early one commits
+    world.grant(world.until(a, "publish"), "ack")
+    first, second, third = world.ledger.sends[:3]
+    assert third.relay == a.name
+    assert third.attempt == 1
+    assert third.message_id not in {first.message_id, second.message_id}
+    assert world.finish() == []
+
+
+def test_a_late_settle_of_a_ready_row_taken_over_as_an_orphan_is_fenced(world: World) -> None:
+    # a publishes a ready row and stalls before settling; its lease runs out, b moves the row to
+    # messages as an orphan and sends it again (attempt 2). a's settle then lands: it must not
+    # archive the row a second time, nor undo b's claim.
+    a, b = world.relays
+    world.commit_now(None)
+    world.grant(world.until(a, "publish"), "ack")
+    settle = world.until(a, "settle")
+    world.advance(LEASE * 1.1)
+    world.grant(world.until(b, "publish"), "ack")
+    world.grant(settle)
+    assert [(s.relay, s.attempt) for s in world.ledger.sends] == [(a.name, 1), (b.name, 2)]
+    assert world.finish() == []

@@ -47,7 +47,10 @@ KEYS = ("a", "b")  # the keys the state machine draws from (tests/interleavings/
 #: Every session of the world fails a lock wait after this rather than hang the test, and finds
 #: deadlocks quickly.
 SESSION = "-c lock_timeout=30s -c deadlock_timeout=100ms"
-TABLES = ("messages", "archive", "dead", "keys", "key_releases", "blocked_keys", "key_checks")
+TABLES = (
+    *("messages", "archive", "dead", "keys", "key_releases", "blocked_keys", "key_checks"),
+    *("ready", "claims", "done"),
+)
 
 
 @dataclasses.dataclass(eq=False)
@@ -125,6 +128,9 @@ class GatedStore:
     async def claim_orphans(self, limit: int, lease: float, max_attempts: int) -> model.Claim:
         run = lambda: self.real.claim_orphans(limit, lease, max_attempts)  # noqa: E731
         return await self._actor.gate("claim_orphans", run)
+
+    async def release_orphans(self, lease: float) -> int:
+        return await self._actor.gate("release_orphans", lambda: self.real.release_orphans(lease))
 
     async def bury_exhausted(self, max_attempts: int) -> list[tuple[UUID, int]]:
         return await self._actor.gate("bury", lambda: self.real.bury_exhausted(max_attempts))
@@ -265,9 +271,12 @@ class World:
         """True once `task` is done; False if `who`'s session waits on a lock meanwhile."""
         deadline = time.monotonic() + 20
         while not task.done():
+            # Blocked by someone now: a session just woken by a commit may still show its lock
+            # wait for a moment, but no longer has anyone blocking it.
             cur = await self.monitor.execute(
                 "SELECT count(*) FROM pg_stat_activity"
-                " WHERE application_name = %s AND wait_event_type = 'Lock'",
+                " WHERE application_name = %s AND wait_event_type = 'Lock'"
+                " AND cardinality(pg_blocking_pids(pid)) > 0",
                 [who],
             )
             row = await cur.fetchone()
@@ -360,12 +369,17 @@ class World:
         return Send(actor.name, m.message_id, m.ordering_key, m.seq, m.attempts, m.replays)
 
     async def _row(self, m: model.OutboxMessage) -> RowNow | None:
+        """The row in whichever lane holds it (a ready row counts as gone once it is done)."""
         cur = await self.monitor.execute(
             "SELECT m.claim_id, m.attempts, m.available_at > now(),"
             " coalesce((SELECT k.concurrency FROM outbox.keys k"
             "           WHERE k.ordering_key = m.ordering_key), 1)"
-            " FROM outbox.messages m WHERE m.id = %s",
-            [m.id],
+            " FROM outbox.messages m WHERE m.id = %s"
+            " UNION ALL"
+            " SELECT c.claim_id, 1, c.until > now(), 1 FROM outbox.claims c"
+            " WHERE c.seg = outbox._seg(%s) AND c.id = %s AND NOT EXISTS"
+            "  (SELECT 1 FROM outbox.done d WHERE d.seg = c.seg AND d.id = c.id)",
+            [m.id, m.id, m.id],
         )
         row = await cur.fetchone()
         return None if row is None else RowNow(*row)
@@ -435,6 +449,16 @@ class World:
                 [seconds],
             )
         )
+        self.run(
+            self.monitor.execute(
+                "UPDATE outbox.claims c SET until = c.until - make_interval(secs => %s)"
+                " FROM (SELECT seg, id FROM outbox.claims FOR UPDATE SKIP LOCKED) AS free"
+                " WHERE c.seg = free.seg AND c.id = free.id",
+                [seconds],
+            )
+        )
+        for actor in self.relays:  # where each relay's next look for orphans starts moves too
+            actor.store.real.shift_orphan_cursor(seconds)
 
     # -- producers -------------------------------------------------------------------------
 
@@ -616,7 +640,7 @@ class World:
             drainer.task.cancel()
             for key in self.blocked_keys():
                 self.release(key, replay=False)
-            if not self._fetch("SELECT 1 FROM outbox.messages LIMIT 1"):
+            if not self._fetch(f"SELECT 1 FROM outbox.messages UNION ALL {READY_WAITING}"):
                 break
         waiting = [
             dict(zip(("key", "seq", "gated", "claimed", "attempts"), row, strict=True))
@@ -624,7 +648,7 @@ class World:
                 "SELECT ordering_key, seq, gated, claim_id IS NOT NULL, attempts"
                 " FROM outbox.messages ORDER BY ordering_key, seq"
             )
-        ]
+        ] + [{"ready": i} for (i,) in self._fetch(READY_WAITING)]
         archived = {m: (k, s) for m, k, s in self._fetch(
             "SELECT message_id, ordering_key, seq FROM outbox.archive")}  # fmt: skip
         dead = {m: (k, s) for m, k, s in self._fetch(
@@ -641,6 +665,7 @@ class World:
                 "SELECT (SELECT count(*) FROM outbox.messages"
                 "        WHERE (NOT gated AND available_at <= now()) OR claim_id IS NOT NULL)"
                 "     + (SELECT count(*) FROM outbox.key_checks)"
+                f"    + (SELECT count(*) FROM ({READY_WAITING}) AS r)"
             )
             row = await cur.fetchone()
             if row is None or row[0] > 0:
@@ -675,6 +700,13 @@ class World:
         self.loop.close()
 
 
+#: Ready-lane rows not yet done (claimed or not).
+READY_WAITING = (
+    "SELECT r.id FROM outbox.ready r"
+    " WHERE NOT EXISTS (SELECT 1 FROM outbox.done d WHERE d.seg = r.seg AND d.id = r.id)"
+)
+
+
 def reset(url: str) -> None:
     """Empty every outbox table and put the default key policy back, between examples."""
     with psycopg.connect(url, autocommit=True) as conn:
@@ -684,3 +716,4 @@ def reset(url: str) -> None:
             )
         )
         conn.execute("UPDATE outbox.key_policies SET on_dead = 'block', concurrency = 1")
+        conn.execute("UPDATE outbox.settings SET fast_lane = true")  # both lanes, as in production

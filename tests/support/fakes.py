@@ -125,6 +125,10 @@ class MemoryStore:
             row.available_at = self.now + timedelta(seconds=lease)
         return model.Claim(claim_id, tuple(_message(r) for r in due), len(due) < locked)
 
+    async def release_orphans(self, lease: float) -> int:
+        self._enter("release_orphans")
+        return 0  # one lane: orphans are found where they are
+
     async def bury_exhausted(self, max_attempts: int) -> list[tuple[UUID, int]]:
         self._enter("bury_exhausted")
         doomed = [
