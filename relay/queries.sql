@@ -13,7 +13,8 @@
 -- tells the relay more are waiting.
 SELECT *
 FROM {schema}.claim_batch(%(limit)s, %(max_bytes)s, %(claim_id)s, %(claimed_by)s, %(lease)s,
-                          %(prev)s, %(hi)s, %(xid)s::xid8, %(cursor)s, %(ready_first)s);
+                          %(prev)s, %(hi)s, %(xid)s::xid8, %(cursor)s, %(ready_first)s,
+                          %(verify)s);
 
 -- name: claim_orphans
 -- The same for orphans: rows whose lease ran out without a settle because their relay died.

@@ -41,7 +41,7 @@ GRANT EXECUTE ON FUNCTION
     {schema}.release_stranded(integer),
     {schema}.forget_idle_keys(interval, text, integer),
     {schema}.claim_batch(integer, bigint, uuid, text, float8, text, text, xid8, bigint,
-                         boolean),
+                         boolean, boolean),
     {schema}.extend_leases(uuid, bigint[], float8),
     {schema}.release_orphans(timestamptz, integer),
     {schema}.reclaim_segment(integer),

@@ -28,12 +28,16 @@ BATCH_MAX_BYTES = 64 * 1024 * 1024
 #: Rows one bury, one recheck or one page of forgetting keys handles per transaction.
 CHUNK = 1000
 #: Segments in the ready lane's ring (migration 0015).
-SEGMENTS = 8
+SEGMENTS = 4
 
 
 #: A relay walks the whole ready lane at least this often (seconds): rows a window had to leave
-#: behind (below) are found then.
+#: behind are found then.
 FULL_PASS_EVERY = 60.0
+#: A relay closes most windows without looking whether a row in them is still unclaimed (one it
+#: skipped while another relay's claim held it, should that claim roll back); this often
+#: (seconds) it walks again, and verifies, all it closed so since.
+VERIFY_EVERY = 1.0
 #: How long a window may stay open because a row in it is held by someone else's claim that has
 #: not committed (seconds) before the relay moves on; the next full pass finds the row.
 STRAGGLER_WAIT = 2.0
@@ -48,7 +52,8 @@ class Window:
     """Where this relay is in the ready lane (docs/decisions/0004): the window of transactions
     that committed after snapshot `prev` and before `hi` (None: the next claim opens one), and
     the cursor in it. A new relay's first window covers the whole lane, and so does one at least
-    every FULL_PASS_EVERY seconds."""
+    every FULL_PASS_EVERY seconds; every VERIFY_EVERY seconds one covers again, and verifies, the
+    windows closed unverified since."""
 
     clock: Callable[[], float] = time.monotonic
     prev: str = WHOLE_LANE
@@ -56,15 +61,20 @@ class Window:
     xid: str = "0"
     id: int = 0
     ready_first: bool = False
+    verifying: bool = False  # the open window is closed only once nothing in it is unclaimed
+    unverified: str | None = None  # where the windows closed unverified since begin
+    verify_at: float = 0.0
     full_pass_at: float | None = None  # when the last window over the whole lane opened
     stuck_since: float | None = None  # since when a row in the window is held by someone else
 
     def params(self) -> dict[str, Any]:
         now = self.clock()
-        if self.hi is None and (
-            self.full_pass_at is None or now - self.full_pass_at >= FULL_PASS_EVERY
-        ):
-            self.prev, self.full_pass_at = WHOLE_LANE, now
+        if self.hi is None:
+            if self.full_pass_at is None or now - self.full_pass_at >= FULL_PASS_EVERY:
+                self.prev, self.full_pass_at, self.unverified = WHOLE_LANE, now, None
+                self.verifying = True
+            elif self.unverified is not None and now >= self.verify_at:
+                self.prev, self.unverified, self.verifying = self.unverified, None, True
         self.ready_first = not self.ready_first  # the lanes take turns to go first
         return {
             "prev": self.prev,
@@ -72,6 +82,7 @@ class Window:
             "xid": self.xid,
             "cursor": self.id,
             "ready_first": self.ready_first,
+            "verify": self.verifying,
         }
 
     def moved(self, trailer: Any) -> None:
@@ -93,7 +104,10 @@ class Window:
         self.hi, self.full_pass_at = None, None
 
     def _close(self, hi: str) -> None:
-        self.prev, self.hi, self.xid, self.id, self.stuck_since = hi, None, "0", 0, None
+        if not self.verifying and self.unverified is None:
+            self.unverified, self.verify_at = self.prev, self.clock() + VERIFY_EVERY
+        self.prev, self.hi, self.xid, self.id = hi, None, "0", 0
+        self.stuck_since, self.verifying = None, False
 
 
 class PgStore:

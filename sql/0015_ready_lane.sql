@@ -6,7 +6,7 @@
 -- no caller-chosen message_id — the common one — now goes into `ready` and is never updated or
 -- deleted: a claim inserts a narrow row into `claims`, a settle inserts one into `done` (and the
 -- copy into archive or dead, as before). The three tables are partitioned alike into a ring of
--- eight segments by id (`seg = id / 65536 % 8`); a segment whose every row is done is reclaimed
+-- four segments by id (`seg = id / 131072 % 4`); a segment whose every row is done is reclaimed
 -- with TRUNCATE, which leaves nothing for vacuum.
 --
 -- Relays find new rows by windows of committed transactions, as PgQ's batches do: a window is the
@@ -62,7 +62,7 @@ CREATE TABLE done (
 
 DO $$
 BEGIN
-    FOR i IN 0..7 LOOP
+    FOR i IN 0..3 LOOP
         EXECUTE format('CREATE TABLE ready_%s PARTITION OF ready FOR VALUES IN (%s)', i, i);
         EXECUTE format('CREATE TABLE claims_%s PARTITION OF claims FOR VALUES IN (%s)', i, i);
         EXECUTE format('CREATE TABLE done_%s PARTITION OF done FOR VALUES IN (%s)', i, i);
@@ -79,17 +79,19 @@ CREATE UNIQUE INDEX done_seg_id_idx ON done (seg, id);
 -- The segment of an id.
 CREATE FUNCTION _seg(p_id bigint) RETURNS smallint
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
-AS $$ SELECT (p_id / 65536 % 8)::smallint $$;
+AS $$ SELECT (p_id / 131072 % 4)::smallint $$;
 
 -- Whether a message with this message_id is waiting in the ready lane (it was enqueued with a
 -- generated id that the caller now passes again).
 CREATE FUNCTION _ready_has(p_message_id uuid) RETURNS boolean
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 SET search_path FROM CURRENT
 AS $$
-    SELECT EXISTS (SELECT 1 FROM ready r
+BEGIN
+    RETURN EXISTS (SELECT 1 FROM ready r
                    WHERE r.message_id = p_message_id
-                     AND NOT EXISTS (SELECT 1 FROM done d WHERE d.seg = r.seg AND d.id = r.id))
+                     AND NOT EXISTS (SELECT 1 FROM done d WHERE d.seg = r.seg AND d.id = r.id));
+END;
 $$;
 
 CREATE OR REPLACE FUNCTION _enqueue(
@@ -175,9 +177,12 @@ CREATE FUNCTION _ready_page(p_from xid8, p_to xid8, p_hi pg_snapshot, p_xid xid8
                             p_limit integer, p_max_bytes bigint, p_claim_id uuid,
                             p_claimed_by text, p_lease float8)
 RETURNS TABLE (seg smallint, id bigint, xid xid8, claimed boolean, locked bigint)
-LANGUAGE sql
+LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
     WITH due AS MATERIALIZED (
         SELECT r.seg, r.id, r.xid,
                octet_length(r.body) + pg_column_size(r.headers) + pg_column_size(r.properties)
@@ -205,7 +210,8 @@ AS $$
         RETURNING claims.seg, claims.id
     )
     SELECT t.seg, t.id, t.xid, ins.id IS NOT NULL, (SELECT count(*) FROM due)
-    FROM taken t LEFT JOIN ins ON ins.seg = t.seg AND ins.id = t.id
+    FROM taken t LEFT JOIN ins ON ins.seg = t.seg AND ins.id = t.id;
+END;
 $$;
 
 -- The first row of the window (p_prev, p_hi] that nobody claimed, if any: one a claim skipped
@@ -213,16 +219,29 @@ $$;
 -- yet). The window is then walked again from there.
 CREATE FUNCTION _window_first_open(p_prev pg_snapshot, p_hi pg_snapshot, OUT xid xid8,
                                    OUT id bigint)
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 SET search_path FROM CURRENT
 AS $$
-    SELECT r.xid, r.id FROM ready r
-    WHERE (r.xid = ANY(ARRAY(SELECT pg_snapshot_xip(p_prev)))
-           OR (r.xid >= pg_snapshot_xmax(p_prev) AND r.xid < pg_snapshot_xmax(p_hi)))
+#variable_conflict use_column
+BEGIN
+    -- Two lookups the (xid, id) index answers directly: the transactions running at p_prev,
+    -- then the range after it (an OR of the two would scan every partition from its start).
+    SELECT r.xid, r.id INTO xid, id FROM ready r
+    WHERE r.xid = ANY(ARRAY(SELECT x FROM pg_snapshot_xip(p_prev) AS x
+                            WHERE pg_visible_in_snapshot(x, p_hi)))
+      AND NOT EXISTS (SELECT 1 FROM claims c WHERE c.seg = r.seg AND c.id = r.id)
+    ORDER BY r.xid, r.id
+    LIMIT 1;
+    IF FOUND THEN
+        RETURN;
+    END IF;
+    SELECT r.xid, r.id INTO xid, id FROM ready r
+    WHERE r.xid >= pg_snapshot_xmax(p_prev) AND r.xid < pg_snapshot_xmax(p_hi)
       AND r.xid <> ALL(ARRAY(SELECT pg_snapshot_xip(p_hi)))
       AND NOT EXISTS (SELECT 1 FROM claims c WHERE c.seg = r.seg AND c.id = r.id)
     ORDER BY r.xid, r.id
-    LIMIT 1
+    LIMIT 1;
+END;
 $$;
 
 -- The slow lane's part of a claim, as the claim_batch statement of earlier versions did it (their
@@ -233,9 +252,12 @@ RETURNS TABLE (id bigint, message_id uuid, exchange text, routing_key text, body
                headers text, properties text, ordering_key text, created_at timestamptz,
                attempts integer, ambiguous integer, last_error text, seq bigint, replays integer,
                replayed_at timestamptz, replayed_from text, locked bigint)
-LANGUAGE sql
+LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
     WITH due AS MATERIALIZED (
         SELECT m.id, m.available_at,
                octet_length(m.body) + pg_column_size(m.headers) + pg_column_size(m.properties)
@@ -263,16 +285,18 @@ AS $$
     RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.body, m.headers::text,
               m.properties::text, m.ordering_key, m.created_at, m.attempts, m.ambiguous,
               m.last_error, m.seq, m.replays, m.replayed_at, m.replayed_from,
-              (SELECT count(*) FROM due)
+              (SELECT count(*) FROM due);
+END;
 $$;
 
 -- The bytes of bodies, headers and properties of the rows claim p_claim_id just took in either
 -- lane (the slow lane's all have the same lease end, which messages_leased_idx finds).
 CREATE FUNCTION _claimed_bytes(p_claim_id uuid, p_lease float8, p_ready bigint[]) RETURNS bigint
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 SET search_path FROM CURRENT
 AS $$
-    SELECT coalesce((SELECT sum(octet_length(m.body) + pg_column_size(m.headers)
+BEGIN
+    RETURN coalesce((SELECT sum(octet_length(m.body) + pg_column_size(m.headers)
                                 + pg_column_size(m.properties))
                      FROM messages m
                      WHERE m.claim_id IS NOT NULL
@@ -282,21 +306,23 @@ AS $$
                                   + pg_column_size(r.properties))
                        FROM ready r
                        WHERE r.seg = ANY(ARRAY(SELECT DISTINCT _seg(t) FROM unnest(p_ready) AS t))
-                         AND r.id = ANY(p_ready)), 0)
+                         AND r.id = ANY(p_ready)), 0);
+END;
 $$;
 
 -- The relay's claim: up to p_limit due rows (and p_max_bytes, at least one row), counting an
 -- attempt each, under claim id p_claim_id for p_lease seconds: the slow lane's and a page of the
 -- ready lane's window, one lane first or the other (p_ready_first; relays alternate, so that a
 -- backlog in one never starves the other). p_prev is where the relay's last closed window ended,
--- p_hi where the open one ends (NULL: open one now), (p_xid, p_id) the cursor in it; a relay
--- starts with p_prev = '1:1:', a window over the whole lane. Returns the rows (`lane` says which;
+-- p_hi where the open one ends (NULL: open one now), (p_xid, p_id) the cursor in it, p_verify
+-- whether to close it only once nothing in it is left unclaimed (below); a relay starts with
+-- p_prev = '1:1:', a window over the whole lane. Returns the rows (`lane` says which;
 -- `locked` more than the lane's rows returned: cut short by p_max_bytes, more are waiting), then
 -- one trailer row (message_id NULL) with the window: its end, the cursor, and whether it is
 -- closed (the relay then starts the next at its end); its `locked` counts the ready lane's.
 CREATE FUNCTION claim_batch(p_limit integer, p_max_bytes bigint, p_claim_id uuid,
                             p_claimed_by text, p_lease float8, p_prev text, p_hi text,
-                            p_xid xid8, p_id bigint, p_ready_first boolean)
+                            p_xid xid8, p_id bigint, p_ready_first boolean, p_verify boolean)
 RETURNS TABLE (id bigint, message_id uuid, exchange text, routing_key text, body bytea,
                headers text, properties text, ordering_key text, created_at timestamptz,
                attempts integer, ambiguous integer, last_error text, seq bigint, replays integer,
@@ -381,10 +407,14 @@ BEGIN
             v_left := v_left - v_seen;
         END IF;
     END LOOP;
-    -- Short of the limit: the window is done, unless a row in it is still unclaimed (then it is
-    -- walked again from that row).
+    -- Short of the limit: the window is done — when p_verify, only if no row in it is still
+    -- unclaimed (then it is walked again from that row). A relay verifies a window now and then,
+    -- one that covers the windows it closed unverified since (a row skipped while another relay's
+    -- claim held it is found then, should that claim roll back), not every claim.
     IF v_left >= 1 AND v_bytes >= 1 AND NOT v_cut THEN
-        SELECT o.xid, o.id INTO v_open_xid, v_open_id FROM _window_first_open(v_prev, v_hi) AS o;
+        IF p_verify THEN
+            SELECT o.xid, o.id INTO v_open_xid, v_open_id FROM _window_first_open(v_prev, v_hi) AS o;
+        END IF;
         IF v_open_xid IS NULL THEN
             v_closed := true;
         ELSE
@@ -446,12 +476,15 @@ $$;
 
 -- The ready rows among p_ids that claim p_claim_id holds.
 CREATE FUNCTION _held(p_claim_id uuid, p_ids bigint[]) RETURNS bigint[]
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 SET search_path FROM CURRENT
 AS $$
-    SELECT coalesce(array_agg(c.id), '{}') FROM claims c
-    WHERE c.seg = ANY(ARRAY(SELECT DISTINCT _seg(i) FROM unnest(p_ids) AS i))
-      AND c.id = ANY(p_ids) AND c.claim_id = p_claim_id
+BEGIN
+    RETURN (SELECT coalesce(array_agg(c.id), '{}')
+            FROM claims c
+            WHERE c.seg = ANY(ARRAY(SELECT DISTINCT _seg(i) FROM unnest(p_ids) AS i))
+              AND c.id = ANY(p_ids) AND c.claim_id = p_claim_id);
+END;
 $$;
 
 -- End ready rows: insert their `done` rows (the ones already there — a takeover or a settle got
@@ -460,9 +493,12 @@ CREATE FUNCTION _ready_end(p_ids bigint[])
 RETURNS TABLE (id bigint, message_id uuid, exchange text, routing_key text, body bytea,
                headers jsonb, properties jsonb, created_at timestamptz, resent integer,
                claimed_by text)
-LANGUAGE sql
+LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
     WITH marked AS (
         INSERT INTO done (seg, id)
         SELECT _seg(i), i FROM unnest(p_ids) AS i
@@ -474,7 +510,8 @@ AS $$
            r.created_at, c.resent, c.claimed_by
     FROM marked m
     JOIN ready r ON r.seg = m.seg AND r.id = m.id
-    JOIN claims c ON c.seg = m.seg AND c.id = m.id
+    JOIN claims c ON c.seg = m.seg AND c.id = m.id;
+END;
 $$;
 
 -- settle as in 0013, for both lanes. A ready row never moves in place: archived or dead-lettered
@@ -760,8 +797,8 @@ DECLARE
     v_current smallint;
     v_checked pg_snapshot;
 BEGIN
-    IF p_seg IS NULL OR p_seg NOT BETWEEN 0 AND 7 THEN
-        RAISE EXCEPTION 'reclaim_segment: segment must be 0 to 7, not %', p_seg
+    IF p_seg IS NULL OR p_seg NOT BETWEEN 0 AND 3 THEN
+        RAISE EXCEPTION 'reclaim_segment: segment must be 0 to 3, not %', p_seg
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     -- One relay at a time (the others would only queue for the same locks).
@@ -769,7 +806,7 @@ BEGIN
         RETURN false;
     END IF;
     SELECT _seg(s.last_value) INTO v_current FROM messages_id_seq s;
-    IF p_seg IN (v_current, (v_current + 1) % 8)
+    IF p_seg IN (v_current, (v_current + 1) % 4)
        OR NOT EXISTS (SELECT 1 FROM ready r WHERE r.seg = p_seg) THEN
         RETURN false;
     END IF;

@@ -19,7 +19,7 @@ from tests.support.inprocess import query
 
 pytestmark = pytest.mark.asyncio
 
-SEGMENT = 65536
+SEGMENT = 131072
 
 
 @contextlib.asynccontextmanager
