@@ -84,7 +84,7 @@ async def test_relay_publishes_over_amqps_with_a_client_certificate(
     )
     with RelayProcess(env, "--until-empty") as proc:
         proc.wait_for("no due rows left")
-        assert proc.stop() == 0, proc.output
+        assert proc.exited() == 0, proc.output
     received = await broker.collect(1)
     assert [(m.message_id, m.body) for m in received] == [(str(message_id), b"over tls")]
     assert proxy.accepted >= 1  # it went through the TLS listener, not around it
@@ -160,7 +160,7 @@ async def test_relay_reaches_postgres_over_verified_tls(
     env = clean_env(OUTBOX_DATABASE_URL=url, OUTBOX_AMQP_URL=amqp_url)
     with RelayProcess(env, "--until-empty") as proc:
         proc.wait_for("no due rows left")
-        assert proc.stop() == 0, proc.output
+        assert proc.exited() == 0, proc.output
     assert [m.body for m in await broker.collect(1)] == [b"via tls"]
 
 

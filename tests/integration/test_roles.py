@@ -176,7 +176,7 @@ async def test_relay_role_relays_and_nothing_else(secured: Secured, broker: Brok
     )
     with RelayProcess(env, "--until-empty") as proc:
         proc.wait_for("no due rows left")
-        assert proc.stop() == 0, proc.output
+        assert proc.exited() == 0, proc.output
     assert (count(s, "messages"), count(s, "archive"), count(s, "dead")) == (0, 5, 1)
     assert '"level": "ERROR"' not in proc.output  # no chore lacked a right (keys, watcher, …)
     q = f'"{s.schema}"'
@@ -229,7 +229,7 @@ async def test_operator_role_runs_the_cli_and_nothing_else(
     )
     with RelayProcess(env, "--until-empty") as proc:
         proc.wait_for("no due rows left")
-        assert proc.stop() == 0, proc.output
+        assert proc.exited() == 0, proc.output
     assert count(s, "dead") == 4
     with psycopg.connect(s.owner_url) as conn:
         query = f'SELECT message_id FROM "{s.schema}".dead ORDER BY id'

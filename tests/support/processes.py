@@ -110,6 +110,11 @@ class RelayProcess:
         """Wait until the relay has connected to both services and starts claiming."""
         return self.wait_for(" ready: schema=", timeout)
 
+    def exited(self, timeout: float = 30.0) -> int:
+        """The exit code of a relay that ends by itself (`--until-empty`). Sending it SIGTERM
+        instead races its own exit: once its handlers are gone the signal kills it (-15)."""
+        return self.proc.wait(timeout)
+
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, then the exit code."""
         self.proc.send_signal(signal.SIGTERM)
