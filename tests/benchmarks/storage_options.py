@@ -34,7 +34,6 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from relay import sql
 from tests.support import services
 
 HERE = Path(__file__).parent / "storage"
@@ -96,27 +95,19 @@ class Loop:
 class Today(Loop):
     schema = "outbox"
 
-    def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        super().__init__(conn)
-        self.q = sql.load("outbox")
-
     async def produce(self, conn: psycopg.AsyncConnection[Any]) -> None:
         await conn.execute("SELECT outbox.enqueue('x', 'k', %s)", [BODY])
 
     async def claim(self, claim_id: uuid.UUID) -> list[tuple[int, datetime]]:
+        # The slow lane's claim (migration 0015's _slow_claim): the statement every message
+        # went through before the ready lane.
         rows = await (
             await self.conn.execute(
-                self.q.claim_batch,
-                {
-                    "limit": LIMIT,
-                    "max_bytes": 64 << 20,
-                    "claim_id": claim_id,
-                    "claimed_by": "spike",
-                    "lease": 30.0,
-                },
+                "SELECT id, created_at FROM outbox._slow_claim(%s, %s, %s, 'spike', 30)",
+                [LIMIT, 64 << 20, claim_id],
             )
         ).fetchall()
-        return [(r[0], r[8]) for r in rows]
+        return [(r[0], r[1]) for r in rows]
 
     async def settle(self, claim_id: uuid.UUID, ids: list[int]) -> None:
         e: list[Any] = []
