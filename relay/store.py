@@ -32,8 +32,10 @@ SEGMENTS = 4
 
 
 #: A relay walks the whole ready lane at least this often (seconds): rows a window had to leave
-#: behind are found then.
-FULL_PASS_EVERY = 60.0
+#: behind are found then — only those held past STRAGGLER_WAIT by a claim that then rolled back
+#: (a relay stalled mid-claim, then cut off), which is rare; the walk reads every row of the
+#: lane (up to 4 segments of 131,072), which is not free, so not often.
+FULL_PASS_EVERY = 300.0
 #: A relay closes most windows without looking whether a row in them is still unclaimed (one it
 #: skipped while another relay's claim held it, should that claim roll back); this often
 #: (seconds) it walks again, and verifies, all it closed so since.
@@ -90,9 +92,13 @@ class Window:
         if trailer.window_closed:
             self._close(trailer.window_hi)
             return
-        went_back = (int(trailer.window_xid), trailer.window_id) < (int(self.xid), self.id)
+        # A window left open moved its cursor forward, or found a row in it still unclaimed (held
+        # by another relay's claim that has not committed): the cursor went back to it, or stayed
+        # there. Only moving forward is progress: a claim held open for minutes (a relay stalled
+        # mid-claim) must not keep every relay's window open for as long.
+        moved_on = (int(trailer.window_xid), trailer.window_id) > (int(self.xid), self.id)
         self.hi, self.xid, self.id = trailer.window_hi, str(trailer.window_xid), trailer.window_id
-        if not went_back:
+        if moved_on:
             self.stuck_since = None
         elif self.stuck_since is None:
             self.stuck_since = self.clock()
@@ -100,8 +106,10 @@ class Window:
             self._close(trailer.window_hi)  # the full pass will find what is held
 
     def forget(self) -> None:
-        """After an outage (the server may have restarted): walk the whole lane next."""
-        self.hi, self.full_pass_at = None, None
+        """After an outage (the server may have restarted): walk the whole lane next, from its
+        start."""
+        self.hi, self.full_pass_at, self.xid, self.id = None, None, "0", 0
+        self.stuck_since, self.verifying = None, False
 
     def _close(self, hi: str) -> None:
         if not self.verifying and self.unverified is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,7 +15,7 @@ import psycopg
 import pytest
 
 from relay import model
-from relay.store import PgStore
+from relay.store import STRAGGLER_WAIT, PgStore
 from tests.support.inprocess import query
 
 pytestmark = pytest.mark.asyncio
@@ -117,6 +118,45 @@ async def test_rows_skipped_while_another_relays_claim_held_them_are_claimed_aft
         claim = await b.claim(10, 30)
         assert sorted(m.message_id for m in claim.messages) == sorted(ids)
         assert (await a.claim(10, 30)).messages == ()
+
+
+async def test_a_claim_held_open_keeps_no_relays_window_open_past_the_straggler_wait(
+    database_url: str,
+) -> None:
+    # Another relay's claim statement locked a row and its transaction stays open (a relay
+    # stalled mid-claim). b skips the row, verifies its window, finds it unclaimed and goes back
+    # to it on every claim after: that must not keep b's window open, and so every row committed
+    # since unclaimed, for as long as the stalled claim lasts.
+    async with store(database_url, "b") as b, await producer(database_url) as conn:
+        held, other = await enqueue(conn), await enqueue(conn)
+        await conn.commit()
+        async with await psycopg.AsyncConnection.connect(database_url) as holder:
+            await holder.execute(
+                "SELECT id FROM outbox.ready WHERE message_id = %s FOR UPDATE", [held]
+            )
+            assert [m.message_id for m in (await b.claim(10, 30)).messages] == [other]
+            later = await enqueue(conn)
+            await conn.commit()
+            deadline = time.monotonic() + 4 * STRAGGLER_WAIT
+            got: list[uuid.UUID] = []
+            while not got and time.monotonic() < deadline:
+                got = [m.message_id for m in (await b.claim(10, 30)).messages]
+                if not got:
+                    await asyncio.sleep(0.05)
+            assert got == [later]
+            await holder.rollback()
+    # The held row is found by the next pass over the whole lane (a relay's first, here).
+    async with store(database_url, "c") as c:
+        assert [m.message_id for m in (await c.claim(10, 30)).messages] == [held]
+
+
+async def test_a_segment_is_never_reclaimed_outside_read_committed(database_url: str) -> None:
+    # Under one snapshot for the whole transaction, a row committed after reclaim_segment's first
+    # check would be invisible to its check under the lock too, and truncated.
+    async with await psycopg.AsyncConnection.connect(database_url) as conn:
+        await conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        with pytest.raises(psycopg.errors.InvalidTransactionState):
+            await conn.execute("SELECT outbox.reclaim_segment(2)")
 
 
 async def test_two_relays_never_claim_the_same_ready_row(database_url: str) -> None:
