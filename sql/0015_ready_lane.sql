@@ -196,6 +196,9 @@ SET enable_bitmapscan = off
 AS $$
 #variable_conflict use_column
 BEGIN
+    -- Two copies of one statement that differ only in how `due` reaches the (xid, id) index: one
+    -- probe per transaction, or one range. A single statement with an OR of the two (or with
+    -- p_xips spread as a range) reads the index between the oldest and newest transaction.
     IF p_xips IS NOT NULL THEN  -- the transactions of p_xips (committed, all of them)
     RETURN QUERY
     WITH due AS MATERIALIZED (
