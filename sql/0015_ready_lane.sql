@@ -23,6 +23,17 @@
 --
 -- Relays of the previous version know nothing of the lane, so producers use it only once a relay
 -- of this version has started and set settings.fast_lane.
+--
+-- Every function a relay calls on the lane (claim_batch, settle, extend_leases, release_orphans,
+-- and the producer's _ready_has) runs with generic plans and with index look-ups joined by nested
+-- loops only (the SET clauses, which apply to everything they call). Each of their statements
+-- touches a few rows by key, and neither the planner's estimates nor its custom plans can be
+-- trusted with that here: a segment is empty after its TRUNCATE and full a minute later, and its
+-- partitions are never analyzed where autovacuum is off; a plan made from a small partition hashed
+-- a sequential scan of the whole ring into every settle (0.1 ms at 300 rows, seconds at 500,000),
+-- and a custom plan of a statement on four partitions cost more to make (0.1–0.2 ms, on every call)
+-- than to run. Measured on one claim → settle of one message (`tests/benchmarks/lane_calls.py`):
+-- see docs/decisions/0004.
 
 SET LOCAL lock_timeout = '10s';
 ALTER TABLE settings ADD COLUMN fast_lane boolean NOT NULL DEFAULT false;
@@ -89,6 +100,11 @@ AS $$ SELECT (p_id / 131072 % 4)::smallint $$;
 CREATE FUNCTION _ready_has(p_message_id uuid) RETURNS boolean
 LANGUAGE plpgsql STABLE
 SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
 AS $$
 BEGIN
     RETURN EXISTS (SELECT 1 FROM ready r
@@ -238,9 +254,13 @@ BEGIN
                octet_length(r.body) + pg_column_size(r.headers) + pg_column_size(r.properties)
                    AS bytes
         FROM ready r
-        WHERE r.xid >= p_from AND r.xid <= p_to AND r.xid < pg_snapshot_xmax(p_hi)
+        -- The cursor is the range's only lower bound: given `xid >= p_from` beside it, the
+        -- index scan started from the cursor's (0, 0) and stepped over every row of the ring
+        -- below p_from (2.5 ms a claim with 120,000 rows in one segment, not 0.01).
+        WHERE (r.xid, r.id) > (greatest(p_xid, p_from),
+                               CASE WHEN p_xid >= p_from THEN p_id ELSE -1 END)
+          AND r.xid <= p_to AND r.xid < pg_snapshot_xmax(p_hi)
           AND r.xid <> ALL(ARRAY(SELECT pg_snapshot_xip(p_hi)))
-          AND (r.xid, r.id) > (p_xid, p_id)
           AND NOT EXISTS (SELECT 1 FROM claims c WHERE c.seg = r.seg AND c.id = r.id)
         ORDER BY r.xid, r.id
         LIMIT p_limit
@@ -385,6 +405,11 @@ RETURNS TABLE (id bigint, message_id uuid, exchange text, routing_key text, body
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -518,6 +543,11 @@ RETURNS SETOF bigint
 LANGUAGE sql
 SECURITY DEFINER
 SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
 AS $$
     WITH slow AS (
         UPDATE messages
@@ -600,6 +630,11 @@ CREATE OR REPLACE FUNCTION settle(
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
 AS $$
 DECLARE
     v_keys    text[];
@@ -808,6 +843,11 @@ CREATE FUNCTION release_orphans(p_after timestamptz, p_limit integer, OUT looked
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
 AS $$
 DECLARE
     v_claim uuid := gen_random_uuid();
