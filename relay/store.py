@@ -128,6 +128,7 @@ class PgStore:
         relay_name: str,
         batch_max_bytes: int = BATCH_MAX_BYTES,
         synchronous_commit: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._pool = pool
         self._schema = schema
@@ -135,10 +136,11 @@ class PgStore:
         self._relay_name = relay_name
         self._batch_max_bytes = batch_max_bytes
         self._synchronous_commit = synchronous_commit
-        self._window = Window()
+        self._clock = clock  # the window's and the orphan sweep's timers (tests pass their own)
+        self._window = Window(clock=clock)
         self._claiming = asyncio.Lock()  # the window moves one claim at a time
         self._orphans_after: datetime | None = None  # where the next look for orphans starts
-        self._full_orphan_pass_at = time.monotonic()
+        self._full_orphan_pass_at = clock()
 
     @classmethod
     async def open(
@@ -254,8 +256,8 @@ class PgStore:
         where claim_orphans and bury_exhausted find them; how many. Looks at the leases that ran
         out since the last look (less a lease, for claims that committed late)."""
         moved = 0
-        if time.monotonic() - self._full_orphan_pass_at >= FULL_ORPHAN_PASS_EVERY:
-            self._orphans_after, self._full_orphan_pass_at = None, time.monotonic()
+        if self._clock() - self._full_orphan_pass_at >= FULL_ORPHAN_PASS_EVERY:
+            self._orphans_after, self._full_orphan_pass_at = None, self._clock()
         while True:
             params = {"after": self._orphans_after, "limit": CHUNK}
             async with self._connection() as conn:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from relay.store import FULL_PASS_EVERY, STRAGGLER_WAIT
 from tests.interleavings.world import LEASE, World, reset
 
 
@@ -206,3 +207,42 @@ def test_a_late_settle_of_a_ready_row_taken_over_as_an_orphan_is_fenced(world: W
     world.grant(settle)
     assert [(s.relay, s.attempt) for s in world.ledger.sends] == [(a.name, 1), (b.name, 2)]
     assert world.finish() == []
+
+
+def test_rows_of_a_claim_held_open_are_sent_once_it_rolls_back(world: World) -> None:
+    # a's claim locks both ready rows and inserts their claims, uncommitted; b's claims skip them
+    # (SKIP LOCKED) and find them unclaimed, so b's window stays open on them. a dies before its
+    # commit: b, alone now, must send both, once.
+    a, b = world.relays
+    world.commit_now(None, None)
+    world.hold_claim(world.until(a, "claim"))
+    world.grant(world.until(b, "claim"))
+    world.crash(a)
+    world.grant(world.until(b, "publish"), "ack")
+    assert {s.message_id for s in world.ledger.sends} == world.ledger.committed
+    assert {s.relay for s in world.ledger.sends} == {b.name}
+    assert world.finish() == []
+
+
+def test_rows_of_a_claim_held_open_past_the_straggler_wait_wait_for_the_full_pass(
+    world: World,
+) -> None:
+    # The same, but a's claim stays open longer than b waits for a row it cannot claim: b's
+    # window closes over the rows, and when a's claim rolls back they are behind it. Nothing may
+    # send them before b's next pass over the whole lane, and that pass must.
+    a, b = world.relays
+    world.commit_now(None, None)
+    world.hold_claim(world.until(a, "claim"))
+    for _ in range(2):  # the first moves b's cursor onto a's rows; from the second b waits
+        world.grant(world.until(b, "claim"))
+    world.advance(STRAGGLER_WAIT + 1)
+    world.grant(world.until(b, "claim"))  # b gives up on them: its window closes
+    world.crash(a)
+    for _ in range(3):
+        world.grant(world.until(b, "claim"))
+    assert world.ledger.sends == []
+    world.advance(FULL_PASS_EVERY)
+    world.grant(world.until(b, "publish"), "ack")
+    assert {s.message_id for s in world.ledger.sends} == world.ledger.committed
+    assert world.finish() == []
+

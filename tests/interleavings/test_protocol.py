@@ -1,5 +1,6 @@
 """The relay protocol under interleavings Hypothesis chooses: relays' claims, claims ahead,
-publishes (acked, nacked, returned, lost), settles (also held open), heartbeats, lease expiry,
+publishes (acked, nacked, returned, lost), settles and claims (also held open, a claim then
+committing or rolling back), heartbeats, lease expiry,
 crashes and restarts, broker outages; producers committing and rolling back, keyed, at READ
 COMMITTED and REPEATABLE READ; operators releasing and replaying keys and changing the policy.
 After every step: no row is held by two live claims, and every send so far was by the claim
@@ -97,6 +98,20 @@ class Protocol(RuleBasedStateMachine):
     @rule(data=st.data())
     def finish_settle(self, data: st.DataObject) -> None:
         self.world.finish_held(data.draw(st.sampled_from(self.world.finishable())))
+
+    @precondition(lambda self: self.world.grantable("claim") and len(self.world.held_claims) < 2)
+    @rule(data=st.data())
+    def hold_claim(self, data: st.DataObject) -> None:
+        """A relay's claim runs, but its transaction stays open: the others claim past its rows
+        meanwhile (SKIP LOCKED), and their windows may close over them."""
+        self.world.hold_claim(data.draw(st.sampled_from(self.world.grantable("claim"))))
+
+    @precondition(lambda self: self.world.held_claims)
+    @rule(data=st.data(), commit=st.booleans())
+    def end_claim(self, data: st.DataObject, commit: bool) -> None:
+        """A held claim commits, or rolls back (its connection broke): its rows are due again,
+        behind windows that others may have closed."""
+        self.world.end_held_claim(data.draw(st.sampled_from(self.world.held_claims)), commit)
 
     @precondition(lambda self: self.world.alive())
     @rule(data=st.data())

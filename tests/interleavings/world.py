@@ -4,8 +4,9 @@ decides every step anyone takes.
 Each relay is the real `loop.Relay` over the real `PgStore` and SQL; only the broker is faked.
 Every call it makes to the store or the broker waits at a gate until the test grants it. A granted
 database call runs for real and may wait on a lock (seen in pg_stat_activity): it then stays in
-flight while other steps go on. A relay's settle can also be *held*: run in a transaction left
-open, so that producers and operators act while it is in progress. Time is virtual: advancing it
+flight while other steps go on. A relay's settle or claim can also be *held*: run in a transaction
+left open, so that producers, operators and the other relays act while it is in progress (a held
+claim then commits, or rolls back as when its connection breaks). Time is virtual: advancing it
 moves the relays' clocks forward and every stored time back. Each send is judged the moment it
 happens (tests/interleavings/ledger.py).
 """
@@ -71,6 +72,16 @@ class Call:
 
 
 @dataclasses.dataclass(eq=False)
+class HeldClaim:
+    """A relay's claim whose statement ran in a transaction left open: its rows are locked and
+    its claims inserted, seen by no one else yet; its relay waits for the commit."""
+
+    call: Call
+    release: asyncio.Future[bool]  # True: commit; False: roll back (the connection broke)
+    task: asyncio.Task[Any]
+
+
+@dataclasses.dataclass(eq=False)
 class Held:
     """A relay's settle running in a transaction left open. Its statement may itself still be
     waiting on a lock (`task` not done); it can be committed once it is done."""
@@ -88,14 +99,40 @@ class _Pool:
         self._url, self._name = url, name
         self._idle: list[psycopg.AsyncConnection[Any]] = []
         self._all: list[psycopg.AsyncConnection[Any]] = []
+        #: Set by World.hold_claim: the next connection runs in a transaction that ends as this
+        #: says, once the statement has run (`held_ran` is then set).
+        self.hold: asyncio.Future[bool] | None = None
+        self.held_ran = asyncio.Event()
 
     @contextlib.asynccontextmanager
     async def connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        if self.hold is not None:
+            release, self.hold = self.hold, None
+            async with self._held(release) as conn:
+                yield conn
+            return
         conn = self._idle.pop() if self._idle else await self._open()
         try:
             yield conn
         finally:
             self._idle.append(conn)
+
+    @contextlib.asynccontextmanager
+    async def _held(self, release: asyncio.Future[bool]) -> AsyncIterator[Any]:
+        conn = await self._open()
+        self._all.remove(conn)
+        try:
+            await conn.set_autocommit(False)
+            yield conn
+            self.held_ran.set()
+            if await release:
+                await conn.commit()
+            else:
+                await conn.rollback()
+                # What the relay sees when its connection breaks before the commit.
+                raise psycopg.OperationalError("the connection broke before the claim committed")
+        finally:
+            await conn.close()
 
     async def _open(self) -> psycopg.AsyncConnection[Any]:
         conn = await connect(self._url, self._name)
@@ -119,8 +156,11 @@ class GatedStore:
 
     def __init__(self, actor: RelayActor) -> None:
         self._actor = actor
-        pool: Any = _Pool(actor.world.url, actor.name)  # PgStore needs only .connection()
-        self.real = pgstore.PgStore(pool, "outbox", actor.name, synchronous_commit=False)
+        self.pool = _Pool(actor.world.url, actor.name)
+        pool: Any = self.pool  # PgStore needs only .connection()
+        self.real = pgstore.PgStore(
+            pool, "outbox", actor.name, synchronous_commit=False, clock=actor.world.clock
+        )
 
     async def claim(self, limit: int, lease: float) -> model.Claim:
         return await self._actor.gate("claim", lambda: self.real.claim(limit, lease))
@@ -246,6 +286,7 @@ class World:
         self.ledger = Ledger()
         self.relays: list[RelayActor] = []
         self.held: list[Held] = []
+        self.held_claims: list[HeldClaim] = []
         self.in_flight: list[tuple[str, asyncio.Task[Any]]] = []  # ops waiting on a lock
         self._names = itertools.count()
         self.monitor = self.run(connect(url, "monitor"))
@@ -423,6 +464,38 @@ class World:
         held.call.future.set_result(counts)
         await self._catch_up()
 
+    def hold_claim(self, call: Call) -> None:
+        """Run a pending claim in a transaction left open (its relay waits for the result)."""
+        call.actor.pending.remove(call)
+        self.run(self._hold_claim(call))
+
+    async def _hold_claim(self, call: Call) -> None:
+        pool = call.actor.store.pool
+        release: asyncio.Future[bool] = self.loop.create_future()
+        pool.hold = release
+        pool.held_ran.clear()
+        task = self.loop.create_task(self._deliver(call))
+        deadline = time.monotonic() + 20
+        while not (pool.held_ran.is_set() or task.done()):  # SKIP LOCKED: it never waits
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{call}'s statement did not finish")
+            await asyncio.sleep(0.001)
+        if task.done():  # it failed before its statement ran: the relay has the error
+            task.result()
+        else:
+            self.held_claims.append(HeldClaim(call, release, task))
+        await self._quiet()
+
+    def end_held_claim(self, held: HeldClaim, commit: bool) -> None:
+        """Commit a held claim, or roll it back as when its connection breaks."""
+        self.held_claims.remove(held)
+        self.run(self._end_claim(held, commit))
+
+    async def _end_claim(self, held: HeldClaim, commit: bool) -> None:
+        held.release.set_result(commit)
+        await held.task
+        await self._catch_up()
+
     def heartbeat(self, actor: RelayActor) -> None:
         """The keeper's heartbeat fires: its renewals become calls waiting for grants."""
         if actor.beating is None or actor.beating.done():
@@ -436,6 +509,8 @@ class World:
         for held in [h for h in self.held if h.call.actor is actor]:
             self.held.remove(held)
             self.run(held.conn.close())
+        for claim in [h for h in self.held_claims if h.call.actor is actor]:
+            self.end_held_claim(claim, commit=False)
         self.run(self._catch_up())
 
     def advance(self, seconds: float) -> None:
@@ -627,6 +702,8 @@ class World:
                 self.rollback(p)
         while self.finishable():
             self.finish_held(self.finishable()[0])
+        while self.held_claims:
+            self.end_held_claim(self.held_claims[0], commit=True)
         self.run(self._catch_up())
         assert not self.held, f"held settles still waiting on locks: {self.held}"
         assert not self.in_flight, f"still waiting on locks: {self.in_flight}"
@@ -683,6 +760,8 @@ class World:
                 actor.beating.cancel()
         for held in self.held:
             self.run(held.conn.close())
+        for claim in self.held_claims:
+            claim.release.cancel()
         for _, task in self.in_flight:
             task.cancel()
         for _ in range(5):  # a task being cancelled may start others (a relay giving rows back)
