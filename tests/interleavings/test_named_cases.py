@@ -246,3 +246,21 @@ def test_rows_of_a_claim_held_open_past_the_straggler_wait_wait_for_the_full_pas
     assert {s.message_id for s in world.ledger.sends} == world.ledger.committed
     assert world.finish() == []
 
+
+def test_a_blocked_key_keeps_its_concurrency_until_released(world: World) -> None:
+    # Two lanes: a#3 goes dead (blocking a), a#4 beside it is archived. The policy turns to one
+    # lane and a#5 is enqueued while a is blocked; then a#3 is replayed. a#5 must wait for it: a
+    # blocked key is not idle, so it keeps two lanes (a#5's predecessor is a#3) until released.
+    # Until migration 0016, a#5 took the new policy, looked for its predecessor at a#4, found it
+    # gone, and the replay let it go first.
+    a, _ = world.relays
+    world.policy("block", 2)
+    world.commit_now("a", "a", "b", "a", "a")
+    world.grant(world.until(a, "publish"), "ack")  # a#1, a#2, b#1
+    world.grant(world.until(a, "publish"), "return_first")  # a#3 returned: dead; a#4 acked
+    world.until(a, "claim")
+    world.policy("block", 1)
+    world.commit_now("a")
+    world.replay(world.dead_ids()[0])
+    assert world.finish() == []
+    assert [seq for seq, _, _ in sent(world, "a")][-2:] == [3, 5]
