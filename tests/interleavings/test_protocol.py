@@ -107,11 +107,12 @@ class Protocol(RuleBasedStateMachine):
         self.world.hold_claim(data.draw(st.sampled_from(self.world.grantable("claim"))))
 
     @precondition(lambda self: self.world.held_claims)
-    @rule(data=st.data(), commit=st.booleans())
-    def end_claim(self, data: st.DataObject, commit: bool) -> None:
-        """A held claim commits, or rolls back (its connection broke): its rows are due again,
-        behind windows that others may have closed."""
-        self.world.end_held_claim(data.draw(st.sampled_from(self.world.held_claims)), commit)
+    @rule(data=st.data(), end=st.sampled_from(["commit", "rollback", "lost"]))
+    def end_claim(self, data: st.DataObject, end: str) -> None:
+        """A held claim commits; or rolls back (its connection broke: its rows are due again,
+        behind windows that others may have closed); or commits unbeknown to its relay (its
+        rows wait for their lease to run out)."""
+        self.world.end_held_claim(data.draw(st.sampled_from(self.world.held_claims)), end)
 
     @precondition(lambda self: self.world.alive())
     @rule(data=st.data())

@@ -6,7 +6,8 @@ Every call it makes to the store or the broker waits at a gate until the test gr
 database call runs for real and may wait on a lock (seen in pg_stat_activity): it then stays in
 flight while other steps go on. A relay's settle or claim can also be *held*: run in a transaction
 left open, so that producers, operators and the other relays act while it is in progress (a held
-claim then commits, or rolls back as when its connection breaks). Time is virtual: advancing it
+claim then commits, rolls back as when its connection breaks, or commits with the relay told it
+failed, as when the connection breaks just after). Time is virtual: advancing it
 moves the relays' clocks forward and every stored time back. Each send is judged the moment it
 happens (tests/interleavings/ledger.py).
 """
@@ -77,7 +78,9 @@ class HeldClaim:
     its claims inserted, seen by no one else yet; its relay waits for the commit."""
 
     call: Call
-    release: asyncio.Future[bool]  # True: commit; False: roll back (the connection broke)
+    #: How it ends: "commit"; "rollback" (the connection broke before the commit); "lost" (it
+    #: committed, but the connection broke before the relay heard so).
+    release: asyncio.Future[str]
     task: asyncio.Task[Any]
 
 
@@ -101,7 +104,7 @@ class _Pool:
         self._all: list[psycopg.AsyncConnection[Any]] = []
         #: Set by World.hold_claim: the next connection runs in a transaction that ends as this
         #: says, once the statement has run (`held_ran` is then set).
-        self.hold: asyncio.Future[bool] | None = None
+        self.hold: asyncio.Future[str] | None = None
         self.held_ran = asyncio.Event()
 
     @contextlib.asynccontextmanager
@@ -118,19 +121,20 @@ class _Pool:
             self._idle.append(conn)
 
     @contextlib.asynccontextmanager
-    async def _held(self, release: asyncio.Future[bool]) -> AsyncIterator[Any]:
+    async def _held(self, release: asyncio.Future[str]) -> AsyncIterator[Any]:
         conn = await self._open()
         self._all.remove(conn)
         try:
             await conn.set_autocommit(False)
             yield conn
             self.held_ran.set()
-            if await release:
-                await conn.commit()
-            else:
+            end = await release
+            if end == "rollback":
                 await conn.rollback()
-                # What the relay sees when its connection breaks before the commit.
-                raise psycopg.OperationalError("the connection broke before the claim committed")
+            else:
+                await conn.commit()
+            if end != "commit":  # what the relay sees when its connection breaks
+                raise psycopg.OperationalError(f"the connection broke ({end})")
         finally:
             await conn.close()
 
@@ -158,8 +162,11 @@ class GatedStore:
         self._actor = actor
         self.pool = _Pool(actor.world.url, actor.name)
         pool: Any = self.pool  # PgStore needs only .connection()
+        # The store's timers (the window's verify and straggler waits, the full pass) are as
+        # short as an example's real duration: they run on virtual time alone, which only the
+        # test moves, so that a run and its replay make the same decisions.
         self.real = pgstore.PgStore(
-            pool, "outbox", actor.name, synchronous_commit=False, clock=actor.world.clock
+            pool, "outbox", actor.name, synchronous_commit=False, clock=actor.world.virtual_time
         )
 
     async def claim(self, limit: int, lease: float) -> model.Claim:
@@ -298,6 +305,10 @@ class World:
 
     def clock(self) -> float:
         return time.monotonic() + self.offset
+
+    def virtual_time(self) -> float:
+        """Only the time the test lets pass."""
+        return self.offset
 
     def run(self, step: Awaitable[T]) -> T:
         return self.loop.run_until_complete(step)
@@ -471,7 +482,7 @@ class World:
 
     async def _hold_claim(self, call: Call) -> None:
         pool = call.actor.store.pool
-        release: asyncio.Future[bool] = self.loop.create_future()
+        release: asyncio.Future[str] = self.loop.create_future()
         pool.hold = release
         pool.held_ran.clear()
         task = self.loop.create_task(self._deliver(call))
@@ -486,13 +497,13 @@ class World:
             self.held_claims.append(HeldClaim(call, release, task))
         await self._quiet()
 
-    def end_held_claim(self, held: HeldClaim, commit: bool) -> None:
-        """Commit a held claim, or roll it back as when its connection breaks."""
+    def end_held_claim(self, held: HeldClaim, end: str) -> None:
+        """End a held claim as HeldClaim.release says."""
         self.held_claims.remove(held)
-        self.run(self._end_claim(held, commit))
+        self.run(self._end_claim(held, end))
 
-    async def _end_claim(self, held: HeldClaim, commit: bool) -> None:
-        held.release.set_result(commit)
+    async def _end_claim(self, held: HeldClaim, end: str) -> None:
+        held.release.set_result(end)
         await held.task
         await self._catch_up()
 
@@ -510,7 +521,7 @@ class World:
             self.held.remove(held)
             self.run(held.conn.close())
         for claim in [h for h in self.held_claims if h.call.actor is actor]:
-            self.end_held_claim(claim, commit=False)
+            self.end_held_claim(claim, "rollback")
         self.run(self._catch_up())
 
     def advance(self, seconds: float) -> None:
@@ -703,7 +714,7 @@ class World:
         while self.finishable():
             self.finish_held(self.finishable()[0])
         while self.held_claims:
-            self.end_held_claim(self.held_claims[0], commit=True)
+            self.end_held_claim(self.held_claims[0], "commit")
         self.run(self._catch_up())
         assert not self.held, f"held settles still waiting on locks: {self.held}"
         assert not self.in_flight, f"still waiting on locks: {self.in_flight}"
