@@ -30,9 +30,10 @@ from tests.support.wait import until
 
 pytestmark = pytest.mark.slow
 
-#: The last release before migrations 0010–0015 (the key gate, the relay's functions, the ready
-#: lane).
+#: The last release before migrations 0010 onwards (the key gate, the relay's functions, the ready
+#: lane, …): the upgrade applies every migration from FIRST_NEW on.
 PREVIOUS = "21e837a"
+FIRST_NEW = 10
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -180,7 +181,9 @@ async def test_a_rolling_upgrade_under_traffic_loses_nothing_and_keeps_keys_in_o
             old.wait_ready()
             seen = more_archived(owner, schema, 0)
             result = migrate.migrate(owner, schema)  # under the old relay, messages waiting
-            assert [m.version for m in result.applied] == [10, 11, 12, 13, 14, 15]
+            assert [m.version for m in result.applied] == [
+                m.version for m in migrate.discover() if m.version >= FIRST_NEW
+            ]
             seen = more_archived(owner, schema, seen)  # the old relay relays on
             with RelayProcess(env) as new:
                 procs.append(new)
