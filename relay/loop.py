@@ -259,12 +259,12 @@ class Relay:
 
     async def run_until_empty(self) -> model.CycleReport:
         """Cycle until a cycle finds nothing to do (no due rows, nothing to bury, no keyed row to
-        release); return the sum of the cycles' reports."""
+        release); return the sum of the cycles' counts (their measurements went to `on_cycle`)."""
         total = model.CycleReport()
         async with self._keeping():
             while True:
                 report = await self.run_once()
-                total = total.combine(report)
+                total = total.combine(report.counts())
                 if not (report.claimed or report.buried or report.settled.released):
                     return total
 
