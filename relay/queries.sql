@@ -238,13 +238,17 @@ SELECT
         (SELECT available_at FROM {schema}.messages
          WHERE claim_id IS NULL AND NOT gated AND available_at <= now()
          ORDER BY available_at, id LIMIT 1),
-        -- The ready lane's: among the rows past the newest one claimed (an index range, where a
-        -- backlog waits). A row left behind it (one whose transaction committed long after later
-        -- ones, claimed by the next window anyway) is not counted: finding it would take an
-        -- anti-join over the whole lane, every 15 s, in every relay.
-        (SELECT min(r.created_at) FROM {schema}.ready r
-         WHERE r.id > (SELECT coalesce(max(c.id), 0) FROM {schema}.claims c)
-           AND NOT EXISTS (SELECT 1 FROM {schema}.claims c WHERE c.seg = r.seg AND c.id = r.id))
+        -- The ready lane's: the oldest of the first thousand rows past the newest one claimed
+        -- (none of which is claimed: an index range where a backlog waits, in id order, which is
+        -- creation order but for transactions that ran long). A row left behind the newest claim
+        -- (one whose transaction committed long after later ones, claimed by the next window
+        -- anyway) is not counted: finding it would take an anti-join over the whole lane, every
+        -- 15 s, in every relay. Reading every row past the newest claim instead was a quarter of
+        -- the database's time while a backlog of 1,000,000 drained.
+        (SELECT min(f.created_at) FROM (
+            SELECT r.created_at FROM {schema}.ready r
+            WHERE r.id > (SELECT coalesce(max(c.id), 0) FROM {schema}.claims c)
+            ORDER BY r.id LIMIT 1000) AS f)
     )) AS oldest_due,
     (SELECT count(*) FROM (SELECT 1 FROM {schema}.dead LIMIT 1000000) AS s) AS dead,
     (SELECT count(*) FROM {schema}.blocked_keys) AS blocked_keys,
