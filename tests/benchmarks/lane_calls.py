@@ -28,7 +28,8 @@ from psycopg.rows import namedtuple_row
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from relay import sql
+from relay import model, sql
+from relay import store as pgstore
 from tests.support import services
 
 SEGMENT = 131072  # ids per segment of the ring (sql/0015_ready_lane.sql, _seg)
@@ -93,21 +94,8 @@ class Cycle:
         return [row.id for row in rows]
 
     def _settle(self, claim_id: uuid.UUID, ids: list[int]) -> None:
-        empty: list[Any] = []
-        params = {
-            "claim_id": claim_id,
-            "archive": ids,
-            "dead": empty,
-            "reasons": empty,
-            "details": empty,
-            "retry": empty,
-            "delays": empty,
-            "errors": empty,
-            "refunds": empty,
-            "ambiguous": empty,
-            "resent": empty,
-            "durable": True,
-        }
+        # The relay's own parameters for a settle that archives them all.
+        params = pgstore._settle_params(claim_id, model.Settlement(archive=tuple(ids)), True)
         archived = self.relay.execute(self.queries.settle, params).fetchone()
         if archived is None or archived[0] != len(ids):
             raise SystemExit(f"settled {archived}, not {len(ids)}")
