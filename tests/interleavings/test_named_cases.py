@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from relay.store import FULL_PASS_EVERY, STRAGGLER_WAIT
+from relay.store import FULL_ORPHAN_PASS_EVERY, FULL_PASS_EVERY, LATE_COMMIT, STRAGGLER_WAIT
 from tests.interleavings.world import LEASE, World, reset
 
 
@@ -244,6 +244,51 @@ def test_rows_of_a_claim_held_open_past_the_straggler_wait_wait_for_the_full_pas
     world.advance(FULL_PASS_EVERY)
     world.grant(world.until(b, "publish"), "ack")
     assert {s.message_id for s in world.ledger.sends} == world.ledger.committed
+    assert world.finish() == []
+
+
+def test_a_claim_that_commits_just_after_its_lease_ran_out_is_found_by_the_next_look(
+    world: World,
+) -> None:
+    # a's claim of a ready row is held open until its lease (which runs from the claim's start)
+    # has ended; b looks for orphans meanwhile and cannot see it. Then it commits, lost to a,
+    # which never sends it. b's next look starts where the last one ended, less LATE_COMMIT: the
+    # claim's lease ended within that of the look that missed it, so b finds it and sends it.
+    a, b = world.relays
+    world.commit_now(None)
+    world.hold_claim(world.until(a, "claim"))
+    held = world.held_claims[-1]
+    world.advance(LEASE + LATE_COMMIT / 2)
+    world.grant(world.until(b, "release_orphans"))  # nothing to see yet
+    world.end_held_claim(held, "lost")
+    world.advance(LEASE * 0.6)  # b's next look
+    world.grant(world.until(b, "publish"), "ack")
+    assert [(s.relay, s.attempt) for s in world.ledger.sends] == [(b.name, 2)]
+    assert world.finish() == []
+
+
+def test_a_claim_that_commits_long_after_its_lease_ran_out_waits_for_the_full_orphan_pass(
+    world: World,
+) -> None:
+    # The same, but the claim commits more than LATE_COMMIT after its lease ended: b's looks
+    # go back no further (going back a whole lease made every look read each claim three
+    # times), so the row waits for b's next look at every lease, which must send it.
+    a, b = world.relays
+    world.commit_now(None)
+    world.hold_claim(world.until(a, "claim"))
+    held = world.held_claims[-1]
+    world.advance(LEASE + LATE_COMMIT * 5)
+    world.grant(world.until(b, "release_orphans"))
+    world.end_held_claim(held, "lost")
+    for _ in range(2):
+        world.advance(LEASE * 0.6)
+        world.grant(world.until(b, "release_orphans"))
+    for _ in range(2):
+        world.grant(world.until(b, "claim"))
+    assert world.ledger.sends == []  # missed by the looks since: the case this is about
+    world.advance(FULL_ORPHAN_PASS_EVERY)
+    world.grant(world.until(b, "publish"), "ack")
+    assert [(s.relay, s.attempt) for s in world.ledger.sends] == [(b.name, 2)]
     assert world.finish() == []
 
 

@@ -20,7 +20,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import Any, LiteralString, TypeVar
 from uuid import UUID
 
 import psycopg
@@ -36,6 +36,12 @@ T = TypeVar("T")
 #: Long, so that the real time an example takes (about a second) is far from every boundary the
 #: virtual time crosses: a run and its replay make the same decisions.
 LEASE = 100.0
+#: A held claim's own rows, moved back by the seconds the world advanced while it was held.
+SHIFT_HELD: tuple[LiteralString, ...] = (
+    "UPDATE outbox.claims SET until = until - make_interval(secs => %s) WHERE claimed_at = now()",
+    "UPDATE outbox.messages SET available_at = available_at - make_interval(secs => %s)"
+    " WHERE claim_id IS NOT NULL AND claimed_at = now()",
+)
 OPTIONS = loop.Options(
     batch_size=3,
     lease=LEASE,
@@ -78,10 +84,13 @@ class HeldClaim:
     its claims inserted, seen by no one else yet; its relay waits for the commit."""
 
     call: Call
-    #: How it ends: "commit"; "rollback" (the connection broke before the commit); "lost" (it
-    #: committed, but the connection broke before the relay heard so).
-    release: asyncio.Future[str]
+    #: How it ends, and the seconds the world advanced while it was held: "commit"; "rollback"
+    #: (the connection broke before the commit); "lost" (it committed, but the connection broke
+    #: before the relay heard so).
+    release: asyncio.Future[tuple[str, float]]
     task: asyncio.Task[Any]
+    #: The world's offset when it was held.
+    offset: float
 
 
 @dataclasses.dataclass(eq=False)
@@ -104,7 +113,7 @@ class _Pool:
         self._all: list[psycopg.AsyncConnection[Any]] = []
         #: Set by World.hold_claim: the next connection runs in a transaction that ends as this
         #: says, once the statement has run (`held_ran` is then set).
-        self.hold: asyncio.Future[str] | None = None
+        self.hold: asyncio.Future[tuple[str, float]] | None = None
         self.held_ran = asyncio.Event()
 
     @contextlib.asynccontextmanager
@@ -121,17 +130,22 @@ class _Pool:
             self._idle.append(conn)
 
     @contextlib.asynccontextmanager
-    async def _held(self, release: asyncio.Future[str]) -> AsyncIterator[Any]:
+    async def _held(self, release: asyncio.Future[tuple[str, float]]) -> AsyncIterator[Any]:
         conn = await self._open()
         self._all.remove(conn)
         try:
             await conn.set_autocommit(False)
             yield conn
             self.held_ran.set()
-            end = await release
+            end, owed = await release
             if end == "rollback":
                 await conn.rollback()
             else:
+                # World.advance could not move the times this transaction wrote while it held
+                # them: its leases end `owed` seconds earlier than they say, as they would have if
+                # that time had really passed since it began (now() is when it began).
+                for shift in SHIFT_HELD:
+                    await conn.execute(shift, [owed])
                 await conn.commit()
             if end != "commit":  # what the relay sees when its connection breaks
                 raise psycopg.OperationalError(f"the connection broke ({end})")
@@ -482,7 +496,7 @@ class World:
 
     async def _hold_claim(self, call: Call) -> None:
         pool = call.actor.store.pool
-        release: asyncio.Future[str] = self.loop.create_future()
+        release: asyncio.Future[tuple[str, float]] = self.loop.create_future()
         pool.hold = release
         pool.held_ran.clear()
         task = self.loop.create_task(self._deliver(call))
@@ -494,7 +508,7 @@ class World:
         if task.done():  # it failed before its statement ran: the relay has the error
             task.result()
         else:
-            self.held_claims.append(HeldClaim(call, release, task))
+            self.held_claims.append(HeldClaim(call, release, task, self.offset))
         await self._quiet()
 
     def end_held_claim(self, held: HeldClaim, end: str) -> None:
@@ -503,7 +517,7 @@ class World:
         self.run(self._end_claim(held, end))
 
     async def _end_claim(self, held: HeldClaim, end: str) -> None:
-        held.release.set_result(end)
+        held.release.set_result((end, self.offset - held.offset))
         await held.task
         await self._catch_up()
 
@@ -525,8 +539,9 @@ class World:
         self.run(self._catch_up())
 
     def advance(self, seconds: float) -> None:
-        """Time passes: the relays' clocks move on, and every stored time moves back (rows some
-        transaction holds keep theirs: they only become due later than they might)."""
+        """Time passes: the relays' clocks move on, and every stored time moves back (rows a held
+        settle locks keep theirs: they only become due later than they might; a held claim's
+        leases move back when it commits)."""
         self.offset += seconds
         self.run(
             self.monitor.execute(
