@@ -1,6 +1,6 @@
 """The operator's side of the outbox, as a Python API: dead letters (list, inspect, replay,
-purge), archive retention, blocked keys and key policies. The `outbox-relay dead|archive|keys`
-commands are a thin layer over it."""
+purge), archive retention, blocked keys, key policies and the ready lane's switch. The
+`outbox-relay dead|archive|keys|lane` commands are a thin layer over it."""
 
 from __future__ import annotations
 
@@ -44,6 +44,16 @@ class KeyPolicy:
     on_dead: OnDead
     concurrency: int
     min_interval: float  # seconds between releases of a key's messages
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LaneState:
+    """The ready lane's switch (migrations 0015, 0018) and what still waits in the lane."""
+
+    fast_lane: bool  # producers write unkeyed, due-now messages to the lane
+    fast_lane_off: bool  # an operator turned it off: relays do not turn it on when they start
+    waiting: int  # rows of the lane not yet archived, dead or moved to messages
+    checked_at: datetime  # the database's clock
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -247,6 +257,25 @@ class Admin:
     def _dead_last_id(self) -> int:
         (row,) = self._rows(self._q.dead_last_id)
         return int(row[0])
+
+    # The ready lane's switch --------------------------------------------------------------------
+
+    def lane_state(self) -> LaneState:
+        return self._objects(LaneState, self._q.fast_lane_state, {})[0]
+
+    def set_fast_lane(self, on: bool) -> LaneState:
+        """Turn the ready lane on (only while relays of this version run: they alone read it) or
+        off (producers write to messages from their next transaction to read the settings, and
+        relays no longer turn it on when they start); the state after it committed."""
+        self._rows(self._q.set_fast_lane, {"on": on})
+        return self.lane_state()
+
+    def transactions_since(self, since: datetime) -> tuple[int, int]:
+        """How many other sessions on this database have had a transaction open since before
+        `since`, and how many sessions this role cannot see into (another role's, without
+        pg_read_all_stats)."""
+        (row,) = self._rows(self._q.transactions_since, {"since": since})
+        return int(row[0]), int(row[1])
 
     # The archive --------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from relay import (
     admin,
     app,
     cli_dead,
+    cli_lane,
     cli_pipeline,
     config,
     demo,
@@ -324,3 +325,4 @@ def _echo_policy(policy: admin.KeyPolicy) -> None:
 main.add_command(cli_dead.dead)
 main.add_command(cli_dead.archive)
 main.add_command(cli_pipeline.pipeline)
+main.add_command(cli_lane.lane)

@@ -198,6 +198,27 @@ ORDER BY b.blocked_at, b.ordering_key;
 -- name: release_key
 SELECT {schema}.release_key(%(key)s, %(replay)s);
 
+-- name: set_fast_lane
+-- Turn the ready lane on or off for producers (migration 0018; the schema owner's).
+SELECT fast_lane, fast_lane_off FROM {schema}.set_fast_lane(%(on)s);
+
+-- name: fast_lane_state
+-- The lane's switch, how many of its rows still wait, and the database's clock.
+SELECT s.fast_lane, s.fast_lane_off,
+       (SELECT count(*) FROM {schema}.waiting w WHERE w.lane = 'ready') AS waiting,
+       now() AS checked_at
+FROM {schema}.settings s;
+
+-- name: transactions_since
+-- Other sessions on this database with a transaction open since before %(since)s, and the
+-- sessions this role cannot see into (another role's, without pg_read_all_stats: PostgreSQL
+-- shows them with no backend_type, state or xact_start).
+SELECT count(*) FILTER (WHERE a.backend_type = 'client backend' AND a.xact_start < %(since)s)
+           AS open_before,
+       count(*) FILTER (WHERE a.backend_type IS NULL) AS unseen
+FROM pg_stat_activity a
+WHERE a.datname = current_database() AND a.pid <> pg_backend_pid();
+
 -- name: key_policies
 SELECT prefix, on_dead, concurrency, extract(epoch FROM min_interval)::float8
 FROM {schema}.key_policies

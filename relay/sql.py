@@ -46,6 +46,9 @@ class Queries:
     schema_version: LiteralString
     blocked_keys: LiteralString
     release_key: LiteralString
+    set_fast_lane: LiteralString
+    fast_lane_state: LiteralString
+    transactions_since: LiteralString
     key_policies: LiteralString
     set_key_policy: LiteralString
     delete_key_policy: LiteralString
