@@ -271,9 +271,10 @@ class Admin:
         return self.lane_state()
 
     def transactions_since(self, since: datetime) -> tuple[int, int]:
-        """How many other sessions on this database have had a transaction open since before
-        `since`, and how many sessions this role cannot see into (another role's, without
-        pg_read_all_stats)."""
+        """How many transactions on this database may have begun before `since` (other
+        sessions' open since before it, and every prepared one), and how many sessions this
+        role cannot see into (another role's without pg_read_all_stats, or one with
+        track_activities off)."""
         (row,) = self._rows(self._q.transactions_since, {"since": since})
         return int(row[0]), int(row[1])
 

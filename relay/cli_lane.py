@@ -65,9 +65,10 @@ def lane_off(timeout: float | None, **flags: Any) -> None:
             open_before, unseen = ops.transactions_since(since)
             if unseen:
                 raise errors.InvalidArgument(
-                    f"cannot see the transactions of {unseen} session(s) of other roles, one of "
-                    "which may still write to the lane: run `lane off` again as a superuser or a "
-                    "role granted pg_read_all_stats (the lane stays off meanwhile)"
+                    f"cannot see the transactions of {unseen} session(s), one of which may still "
+                    "write to the lane (another role's: run `lane off` again as a superuser or a "
+                    "role granted pg_read_all_stats; or one with track_activities off); the lane "
+                    "stays off meanwhile"
                 )
             state = ops.lane_state()
             if not open_before and not state.waiting:

@@ -210,12 +210,15 @@ SELECT s.fast_lane, s.fast_lane_off,
 FROM {schema}.settings s;
 
 -- name: transactions_since
--- Other sessions on this database with a transaction open since before %(since)s, and the
--- sessions this role cannot see into (another role's, without pg_read_all_stats: PostgreSQL
--- shows them with no backend_type, state or xact_start).
-SELECT count(*) FILTER (WHERE a.backend_type = 'client backend' AND a.xact_start < %(since)s)
+-- Other sessions on this database with a transaction open since before %(since)s (autovacuum's
+-- aside: it writes no message), plus every prepared transaction (it may have begun before, and
+-- commits whenever someone says); and the sessions this role cannot see into: another role's
+-- without pg_read_all_stats (PostgreSQL then shows no backend_type, state or xact_start), or
+-- one with track_activities off (state 'disabled').
+SELECT count(*) FILTER (WHERE a.backend_type <> 'autovacuum worker' AND a.xact_start < %(since)s)
+           + (SELECT count(*) FROM pg_prepared_xacts p WHERE p.database = current_database())
            AS open_before,
-       count(*) FILTER (WHERE a.backend_type IS NULL) AS unseen
+       count(*) FILTER (WHERE a.backend_type IS NULL OR a.state = 'disabled') AS unseen
 FROM pg_stat_activity a
 WHERE a.datname = current_database() AND a.pid <> pg_backend_pid();
 

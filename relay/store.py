@@ -264,14 +264,19 @@ class PgStore:
         moved = 0
         if self._clock() - self._full_orphan_pass_at >= FULL_ORPHAN_PASS_EVERY:
             self._orphans_after, self._full_orphan_pass_at = None, self._clock()
+        first_checked: datetime | None = None
         while True:
             params = {"after": self._orphans_after, "limit": CHUNK}
             async with self._connection() as conn:
                 cur = await conn.execute(self._q.release_orphans, params)
                 looked, n, last_until, checked_at = await _one(cur)
             moved += int(n)
+            first_checked = first_checked or checked_at
             if looked < CHUNK:
-                self._orphans_after = checked_at - timedelta(seconds=min(lease, LATE_COMMIT))
+                # From the first page's time: a claim committed after it, with its lease ended
+                # before it, is behind the later pages' cursor, and within LATE_COMMIT of this.
+                margin = timedelta(seconds=min(lease, LATE_COMMIT))
+                self._orphans_after = first_checked - margin
                 return moved
             self._orphans_after = last_until
 

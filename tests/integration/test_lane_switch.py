@@ -114,3 +114,14 @@ async def test_lane_off_refuses_to_vouch_for_sessions_it_cannot_see(
     async with await psycopg.AsyncConnection.connect(database_url) as conn:
         row = await (await conn.execute("SELECT fast_lane FROM outbox.settings")).fetchone()
     assert row == (False,)  # it did turn the lane off, and says it stays off
+
+
+async def test_lane_off_refuses_to_vouch_for_a_session_that_hides_its_transactions(
+    database_url: str,
+) -> None:
+    # track_activities off: PostgreSQL shows the session, but not whether it is in a transaction.
+    hidden = await psycopg.AsyncConnection.connect(database_url, options="-c track_activities=off")
+    async with hidden:
+        await hidden.execute("SELECT 1")
+        result = run_cli("lane", "off", env=clean_env(OUTBOX_DATABASE_URL=database_url))
+    assert_one_line_error(result, 2, "cannot see the transactions of 1 session(s)")
