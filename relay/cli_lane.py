@@ -53,8 +53,9 @@ def lane_on(**flags: Any) -> None:
 def lane_off(timeout: float | None, **flags: Any) -> None:
     """Turn the ready lane off and wait until it is empty: then relays of a release before
     0015, which do not read it, may replace these. Relays of this version must keep running
-    meanwhile (they drain it), and do not turn it on again when they start. Needs to see every
-    session's transactions: run it as a superuser or a role granted pg_read_all_stats."""
+    meanwhile (they drain it), and do not turn it on again when they start. Run it as the
+    schema's owner granted pg_read_all_stats (it must see every session's transactions), or as
+    a superuser."""
     deadline = None if timeout is None else time.monotonic() + timeout
     with operator(flags) as ops:
         state = ops.set_fast_lane(False)
