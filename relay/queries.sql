@@ -83,8 +83,8 @@ SELECT forgotten, last_key
 FROM {schema}.forget_idle_keys(make_interval(secs => %(idle)s), %(after)s, %(limit)s);
 
 -- name: message_stats
--- The ready lane counts by differences (every claimed row has a claims row, every ended one a done
--- row), so no count needs an anti-join; only its oldest unclaimed row does.
+-- The ready lane's part comes from lane_gauges (migration 0019): index look-ups whose cost follows
+-- the backlog, not the ring.
 WITH slow AS (
     SELECT
         count(*) FILTER (WHERE NOT leased) AS pending,
@@ -96,18 +96,11 @@ WITH slow AS (
         SELECT created_at, available_at, claim_id IS NOT NULL AND available_at > now() AS leased
         FROM {schema}.messages
     ) AS m
-), fast AS (
-    SELECT (SELECT count(*) FROM {schema}.ready) - (SELECT count(*) FROM {schema}.claims) AS due,
-           (SELECT count(*) FROM {schema}.claims) - (SELECT count(*) FROM {schema}.done)
-               AS in_flight,
-           (SELECT min(r.created_at) FROM {schema}.ready r
-            WHERE NOT EXISTS (SELECT 1 FROM {schema}.claims c
-                              WHERE c.seg = r.seg AND c.id = r.id)) AS oldest
 )
 SELECT slow.pending + fast.due AS pending, slow.due + fast.due AS due, slow.scheduled,
        slow.in_flight + fast.in_flight AS in_flight,
        extract(epoch FROM now() - least(slow.oldest, fast.oldest)) AS oldest_pending_age
-FROM slow, fast;
+FROM slow, {schema}.lane_gauges() AS fast;
 
 -- name: blocked_key_count
 SELECT count(*) FROM {schema}.blocked_keys;
@@ -243,12 +236,12 @@ DELETE FROM {schema}.key_policies WHERE prefix = %(prefix)s AND prefix <> '';
 -- name: observe
 -- The gauges' one query: backlog by state, the longest wait, dead rows, blocked keys, and the
 -- database's health. Every count of messages reads an index (capped at a million), never the
--- table; the ready lane's are counts of its ring (bounded by the segments not yet reclaimed).
+-- table; the ready lane's come from lane_gauges (index look-ups, migration 0019).
 SELECT
     (SELECT count(*) FROM (SELECT 1 FROM {schema}.messages
                            WHERE claim_id IS NULL AND NOT gated AND available_at <= now()
                            LIMIT 1000000) AS s)
-    + (SELECT count(*) FROM {schema}.ready) - (SELECT count(*) FROM {schema}.claims) AS due,
+    + lane.due AS due,
     (SELECT count(*) FROM (SELECT 1 FROM {schema}.messages
                            WHERE claim_id IS NULL AND NOT gated AND available_at > now()
                            LIMIT 1000000) AS s) AS scheduled,
@@ -257,22 +250,16 @@ SELECT
     (SELECT count(*) FROM (SELECT 1 FROM {schema}.messages
                            WHERE claim_id IS NOT NULL AND available_at > now()
                            LIMIT 1000000) AS s)
-    + (SELECT count(*) FROM {schema}.claims) - (SELECT count(*) FROM {schema}.done) AS in_flight,
+    + lane.in_flight AS in_flight,
     extract(epoch FROM now() - least(
         (SELECT available_at FROM {schema}.messages
          WHERE claim_id IS NULL AND NOT gated AND available_at <= now()
          ORDER BY available_at, id LIMIT 1),
-        -- The ready lane's: the oldest of the first thousand rows past the newest one claimed
-        -- (none of which is claimed: an index range where a backlog waits, in id order, which is
-        -- creation order but for transactions that ran long). A row left behind the newest claim
-        -- (one whose transaction committed long after later ones, claimed by the next window
-        -- anyway) is not counted: finding it would take an anti-join over the whole lane, every
-        -- 15 s, in every relay. Reading every row past the newest claim instead was a quarter of
-        -- the database's time while a backlog of 1,000,000 drained.
-        (SELECT min(f.created_at) FROM (
-            SELECT r.created_at FROM {schema}.ready r
-            WHERE r.id > (SELECT coalesce(max(c.id), 0) FROM {schema}.claims c)
-            ORDER BY r.id LIMIT 1000) AS f)
+        -- The ready lane's (lane_gauges, migration 0019): the oldest of the first thousand rows
+        -- past the newest one claimed — an index range where a backlog waits. A row left behind
+        -- the newest claim (its transaction committed long after later ones; the next window
+        -- claims it) is not counted: finding it takes an anti-join over the whole lane.
+        lane.oldest
     )) AS oldest_due,
     (SELECT count(*) FROM (SELECT 1 FROM {schema}.dead LIMIT 1000000) AS s) AS dead,
     (SELECT count(*) FROM {schema}.blocked_keys) AS blocked_keys,
@@ -286,7 +273,7 @@ SELECT
                           WHERE option_name = 'autovacuum_enabled'), true)
      FROM pg_class AS c WHERE c.oid = to_regclass(%(messages)s)) AS autovacuum_on,
     h.seconds, h.xids, h.pid, h.state
-FROM (SELECT 1) AS one
+FROM {schema}.lane_gauges() AS lane
 LEFT JOIN LATERAL (
     -- Who holds back the vacuum horizon: the session with the oldest snapshot.
     SELECT extract(epoch FROM now() - coalesce(xact_start, query_start)) AS seconds,

@@ -45,7 +45,8 @@ GRANT EXECUTE ON FUNCTION
     {schema}.extend_leases(uuid, bigint[], float8),
     {schema}.release_orphans(timestamptz, integer),
     {schema}.reclaim_segment(integer),
-    {schema}.use_fast_lane()
+    {schema}.use_fast_lane(),
+    {schema}.lane_gauges()
 TO {relay};
 
 -- Operators: the CLI's dead-letter, archive, keys and stats commands and the data pipeline:
@@ -62,5 +63,6 @@ GRANT EXECUTE ON FUNCTION
                           uuid[]),
     {schema}.replay_dead(bigint[], text, text),
     {schema}.release_key(text, boolean),
-    {schema}.key_policy(text)
+    {schema}.key_policy(text),
+    {schema}.lane_gauges()
 TO {operator};

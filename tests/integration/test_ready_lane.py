@@ -303,3 +303,26 @@ async def test_a_reader_holding_a_segment_only_postpones_its_reclaim(database_ur
             claim = await relay_store.claim(10, 30)  # claims go on meanwhile
             assert [m.message_id for m in claim.messages] == [fresh]
         assert await relay_store.reclaim() == 1
+
+
+async def test_the_gauges_count_the_lane_by_index_past_the_newest_claim(database_url: str) -> None:
+    # lane_gauges (migration 0019): due = rows past the newest claim, in flight = leases not run
+    # out and not ended; neither counts the ring (which holds the settled rows until reclaimed).
+    async with store(database_url) as s:
+        async with await producer(database_url) as p:
+            for _ in range(3):
+                await enqueue(p)
+            await p.commit()
+        seen = await s.observe()
+        assert (seen.due, seen.in_flight, seen.oldest_due_seconds is not None) == (3, 0, True)
+        claim = await s.claim(2, 30.0)
+        assert len(claim.messages) == 2
+        seen = await s.observe()
+        assert (seen.due, seen.in_flight) == (1, 2)
+        await s.settle(claim.claim_id, archive([claim.messages[0].id]))
+        assert (await s.observe()).in_flight == 1
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as c:
+            await c.execute("UPDATE outbox.claims SET until = now() - interval '1 s'")
+        assert (await s.observe()).in_flight == 0  # an orphan now: the next look moves it
+        stats = await s.stats()
+        assert (stats.pending, stats.in_flight) == (1, 0)
