@@ -9,12 +9,14 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TypeVar
 from uuid import UUID
 
 import tenacity
 
 from relay import chores, errors, leases, logs, model, ports, retry
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 Outcome = model.Outcome
@@ -279,11 +281,17 @@ class Relay:
             try:
                 while not stop.is_set():
                     self.tick()
-                    self.wake.clear()
+                    # A wake-up that came after the next batch was claimed (with the last settle)
+                    # is for rows that claim did not see: keep it for after that batch.
+                    if self._prefetched is None:
+                        self.wake.clear()
                     report = await self._cycle(stop)
-                    # Straight on while batches come back full (in rows, or in bytes: cut short),
-                    # or when settles freed keyed rows.
-                    if report is None or report.claimed >= self._options.batch_size:
+                    # Straight on while the next batch is already claimed, while batches come
+                    # back full (in rows, or in bytes: cut short), or when settles freed keyed
+                    # rows.
+                    if report is None or self._prefetched is not None:
+                        continue
+                    if report.claimed >= self._options.batch_size:
                         continue
                     if report.cut_short:
                         continue
@@ -422,8 +430,18 @@ class Relay:
         return to_send, results, settlement
 
     async def _settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:
+        """Settle the batch and claim the next one in the same round trip (docs/decisions/0005)
+        — unless a batch is claimed ahead already, or something went wrong with this one (it
+        gives rows back: then another replica may do better), or the relay is stopping."""
         # The broker has spoken; forgetting what it said would re-send the batch after the lease.
         # So a settle is retried for as long as it takes (shutdown's timeout is the outer bound).
+        chain = (
+            self._options.prefetch
+            and self._prefetched is None
+            and not settlement.retry
+            and not self._publisher.blocked
+            and not self._stopping.is_set()
+        )
         retrying = tenacity.AsyncRetrying(
             retry=tenacity.retry_if_exception(retry.is_transient),
             wait=retry.reconnect_wait(maximum=self._options.reconnect_max_delay),
@@ -432,7 +450,16 @@ class Relay:
         )
         async for attempt in retrying:
             with attempt:
-                return await self._store.settle(claim_id, settlement)
+                if not chain:
+                    return await self._store.settle(claim_id, settlement)
+                sent = self._clock()
+                counts, following = await self._store.settle_then_claim(
+                    claim_id, settlement, self._options.batch_size, self._options.lease
+                )
+                if following.messages:
+                    self.leases.hold(following, sent)
+                    self._prefetched = _ready((following, self._clock() - sent))
+                return counts
         raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -462,6 +489,13 @@ def _report(
             if r.confirmed_at is not None
         ),
     )
+
+
+def _ready(value: T) -> asyncio.Future[T]:
+    """A future that already holds `value`."""
+    future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+    future.set_result(value)
+    return future
 
 
 async def _timed(claiming: Awaitable[model.Claim]) -> tuple[model.Claim, float]:

@@ -98,7 +98,7 @@ class Metrics:
         )
         self.claim_seconds = Histogram(
             "outbox_claim_seconds",
-            "Latency of the claim query.",
+            "Latency of the claim call (for a claim made with a settle, of the whole call).",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )

@@ -41,6 +41,13 @@ class Store(Protocol):
         """Apply a claim's transitions in one transaction; skip rows no longer under `claim_id`."""
         ...
 
+    async def settle_then_claim(
+        self, claim_id: UUID, settlement: model.Settlement, limit: int, lease: float
+    ) -> tuple[model.SettleCounts, model.Claim]:
+        """`settle`, then `claim` the next batch in the same transaction (it sees what the
+        settle did: the keyed rows it released): one round trip for both."""
+        ...
+
     async def release_stranded(self) -> int:
         """Release keyed rows whose producer committed while their predecessor was being
         settled, now that both are over; how many."""

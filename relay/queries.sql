@@ -73,6 +73,17 @@ FROM {schema}.settle(
     %(details)s::text[], %(retry)s::bigint[], %(delays)s::float8[], %(errors)s::text[],
     %(refunds)s::boolean[], %(ambiguous)s::boolean[], %(resent)s::bigint[], %(durable)s);
 
+-- name: settle_then_claim
+-- settle, then claim_batch for the next batch, in one transaction and one round trip (migration
+-- 0020): claim_batch's rows and trailer, then a row with the settle's counts (lane 'settled').
+SELECT *
+FROM {schema}.settle_then_claim(
+    %(claim_id)s, %(archive)s::bigint[], %(dead)s::bigint[], %(reasons)s::text[],
+    %(details)s::text[], %(retry)s::bigint[], %(delays)s::float8[], %(errors)s::text[],
+    %(refunds)s::boolean[], %(ambiguous)s::boolean[], %(resent)s::bigint[], %(durable)s,
+    %(limit)s, %(max_bytes)s, %(next_id)s, %(claimed_by)s, %(lease)s, %(prev)s, %(hi)s,
+    %(xid)s::xid8, %(cursor)s, %(ready_first)s, %(verify)s);
+
 -- name: release_stranded
 -- Keyed rows whose producer committed while their predecessor was being settled (migration 0012).
 SELECT looked, released FROM {schema}.release_stranded(%(limit)s);

@@ -25,6 +25,7 @@ class Queries:
     reclaim_segment: LiteralString
     use_fast_lane: LiteralString
     settle: LiteralString
+    settle_then_claim: LiteralString
     release_stranded: LiteralString
     forget_idle_keys: LiteralString
     message_stats: LiteralString

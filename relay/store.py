@@ -231,11 +231,15 @@ class PgStore:
                 raise
             trailer = rows.pop()
             self._window.moved(trailer)
+        return self._claimed(params["claim_id"], rows, trailer)
+
+    @staticmethod
+    def _claimed(claim_id: UUID, rows: list[Any], trailer: Any) -> model.Claim:
         slow = [row for row in rows if row.lane == "messages"]
         cut_short = (bool(slow) and slow[0].locked > len(slow)) or trailer.locked > len(rows) - len(
             slow
         )
-        return model.Claim(params["claim_id"], tuple(_message(row) for row in rows), cut_short)
+        return model.Claim(claim_id, tuple(_message(row) for row in rows), cut_short)
 
     async def claim_orphans(self, limit: int, lease: float, max_attempts: int) -> model.Claim:
         params = {**self._claim_params(limit, lease), "max_attempts": max_attempts}
@@ -323,6 +327,37 @@ class PgStore:
             archived, dead, retried, released, blocked = await _one(cur)
         fenced = settlement.size - archived - dead - retried
         return model.SettleCounts(archived, dead, retried, fenced, released, blocked)
+
+    async def settle_then_claim(
+        self, claim_id: UUID, settlement: model.Settlement, limit: int, lease: float
+    ) -> tuple[model.SettleCounts, model.Claim]:
+        durable = self._synchronous_commit or bool(settlement.resent)
+        async with self._claiming:
+            params = {
+                **_settle_params(claim_id, settlement, durable),
+                **self._claim_params(limit, lease),
+                **self._window.params(),
+            }
+            params["next_id"] = params.pop("claim_id")
+            params["claim_id"] = claim_id
+            try:
+                rows = await self._fetch(self._q.settle_then_claim, params)
+            except errors.DatabaseUnavailable:
+                self._window.forget()
+                raise
+            settled = rows.pop()
+            trailer = rows.pop()
+            self._window.moved(trailer)
+        fenced = settlement.size - settled.archived - settled.dead - settled.retried
+        counts = model.SettleCounts(
+            settled.archived,
+            settled.dead,
+            settled.retried,
+            fenced,
+            settled.released,
+            settled.blocked,
+        )
+        return counts, self._claimed(params["next_id"], rows, trailer)
 
     async def release_stranded(self) -> int:
         released = 0

@@ -164,6 +164,27 @@ async def test_settle_archives_dead_letters_and_retries(harness: Harness) -> Non
     assert (retried.message_id, retried.attempts, retried.last_error) == (again, 2, "nacked")
 
 
+async def test_settle_then_claim_settles_a_batch_and_claims_the_next(harness: Harness) -> None:
+    first_id = await harness.add("a")
+    first = await harness.store.claim(10, lease=30)
+    later = [await harness.add(k) for k in ("b", "c", "d")]
+    counts, following = await harness.store.settle_then_claim(
+        first.claim_id, model.Settlement(archive=tuple(m.id for m in first.messages)), 2, 30
+    )
+    assert counts == model.SettleCounts(archived=1)
+    assert following.claim_id != first.claim_id
+    assert [(m.message_id, m.attempts) for m in following.messages] == [
+        (later[0], 1),
+        (later[1], 1),
+    ]
+    assert await harness.attempts(first_id) is None  # archived
+    # The next claim is the fence of its rows' settle, as any claim is.
+    counts, _ = await harness.store.settle_then_claim(
+        first.claim_id, model.Settlement(archive=tuple(m.id for m in following.messages)), 2, 30
+    )
+    assert counts == model.SettleCounts(fenced=2)
+
+
 @pytest.mark.parametrize(("ambiguous", "expected"), [(False, (0, 0)), (True, (0, 1))])
 async def test_refunded_retry_gives_the_attempt_back(
     harness: Harness, ambiguous: bool, expected: tuple[int, int]

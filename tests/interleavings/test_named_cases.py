@@ -309,3 +309,60 @@ def test_a_blocked_key_keeps_its_concurrency_until_released(world: World) -> Non
     world.replay(world.dead_ids()[0])
     assert world.finish() == []
     assert [seq for seq, _, _ in sent(world, "a")][-2:] == [3, 5]
+
+
+def test_a_successor_claimed_by_its_predecessors_settle_is_no_ones_until_that_commits(
+    world: World,
+) -> None:
+    # Migration 0020: a settle releases k#2 and claims it in the same UPDATE, for its relay's next
+    # batch. While that settle is open, b's claim must not get k#2 (for b it is still gated, and
+    # locked); once it commits, a sends k#2 with its first attempt — without claiming again.
+    a, b = world.relays
+    world.commit_now("k", "k")
+    world.hold(world.until(a, "settle"))  # k#1 published and acked; its settle left open
+    world.grant(world.until(b, "claim"))
+    world.until(b, "connect")  # b's claim found nothing: it starts its next cycle
+    world.finish_held(world.held[0])
+    granted = []
+    while not world.grantable("publish"):
+        granted.append(a.pending[0].method)
+        world.grant(a.pending[0])
+    assert "claim" not in granted  # k#2 came with the settle
+    world.grant(world.first(a, "publish"), "ack")
+    assert sent(world, "k") == [(1, 1, a.name), (2, 1, a.name)]
+    assert world.finish() == []
+
+
+def test_a_settle_that_claims_and_rolls_back_changes_nothing(world: World) -> None:
+    # The settle's connection breaks before it commits: k#1 is still a's claim (not archived),
+    # k#2 still gated — b can take neither. a settles again, and k#2 goes once, after k#1.
+    a, b = world.relays
+    world.commit_now("k", "k")
+    world.hold(world.until(a, "settle"))
+    world.finish_held(world.held[0], "rollback")
+    world.grant(world.until(b, "claim"))
+    world.until(b, "connect")
+    assert sent(world, "k") == [(1, 1, a.name)]
+    world.grant(world.first(a, "settle"))  # the settle again, which claims k#2 this time
+    world.grant(world.until(a, "publish"), "ack")
+    assert sent(world, "k") == [(1, 1, a.name), (2, 1, a.name)]
+    assert world.finish() == []
+
+
+def test_a_settle_that_claimed_unbeknown_to_its_relay_leaves_the_successor_to_its_lease(
+    world: World,
+) -> None:
+    # The settle commits but its relay hears of a broken connection: k#1 is archived and k#2
+    # claimed under a claim id a never learnt. a settles again (nothing is left to settle) and
+    # does not send k#2; nobody does until that claim's lease runs out — then once, attempt 2.
+    a, b = world.relays
+    world.commit_now("k", "k")
+    world.hold(world.until(a, "settle"))
+    world.finish_held(world.held[0], "lost")
+    world.grant(world.first(a, "settle"))  # settles nothing; claims nothing of k
+    for relay in (a, b):
+        world.grant(world.until(relay, "claim"))
+    assert sent(world, "k") == [(1, 1, a.name)]
+    world.advance(LEASE * 1.1)
+    assert world.finish() == []
+    assert [(seq, attempt) for seq, attempt, _ in sent(world, "k")] == [(1, 1), (2, 2)]

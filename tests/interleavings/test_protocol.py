@@ -95,9 +95,14 @@ class Protocol(RuleBasedStateMachine):
         self.world.hold(data.draw(st.sampled_from(self.world.grantable("settle"))))
 
     @precondition(lambda self: self.world.finishable())
-    @rule(data=st.data())
-    def finish_settle(self, data: st.DataObject) -> None:
-        self.world.finish_held(data.draw(st.sampled_from(self.world.finishable())))
+    @rule(data=st.data(), end=st.sampled_from(["commit", "rollback", "lost"]))
+    def finish_settle(self, data: st.DataObject, end: str) -> None:
+        """A held settle commits. One that claims the next batch too may also roll back (its
+        connection broke: the batch is still claimed, the keyed rows it released still gated)
+        or commit unbeknown to its relay (which settles again: nothing left to settle; the rows
+        it claimed wait for their lease to run out)."""
+        held = data.draw(st.sampled_from(self.world.finishable()))
+        self.world.finish_held(held, end if held.release is not None else "commit")
 
     @precondition(lambda self: self.world.grantable("claim") and len(self.world.held_claims) < 2)
     @rule(data=st.data())

@@ -73,6 +73,8 @@ class Call:
     still_held: Callable[[], bool] | None = None
     claim_id: UUID | None = None
     settlement: model.Settlement | None = None
+    #: A settle that claims the next batch in the same transaction (limit, lease).
+    then_claim: tuple[int, float] | None = None
 
     def __repr__(self) -> str:
         return f"<{self.actor.name} {self.method}>"
@@ -96,11 +98,20 @@ class HeldClaim:
 @dataclasses.dataclass(eq=False)
 class Held:
     """A relay's settle running in a transaction left open. Its statement may itself still be
-    waiting on a lock (`task` not done); it can be committed once it is done."""
+    waiting on a lock (`task` not done); it can be ended once it is done. A settle that claims
+    the next batch too (`then_claim`) runs on its relay's own store, in a transaction that ends
+    as `release` says (as HeldClaim's), once `ran`."""
 
     call: Call
-    conn: psycopg.AsyncConnection[Any]
+    conn: psycopg.AsyncConnection[Any] | None
     task: asyncio.Task[Any]
+    release: asyncio.Future[tuple[str, float]] | None = None
+    ran: asyncio.Event | None = None
+    offset: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.ran.is_set() if self.ran is not None else self.task.done()
 
 
 class _Pool:
@@ -203,6 +214,14 @@ class GatedStore:
     async def settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:
         run = lambda: self.real.settle(claim_id, settlement)  # noqa: E731
         return await self._actor.gate("settle", run, claim_id=claim_id, settlement=settlement)
+
+    async def settle_then_claim(
+        self, claim_id: UUID, settlement: model.Settlement, limit: int, lease: float
+    ) -> tuple[model.SettleCounts, model.Claim]:
+        run = lambda: self.real.settle_then_claim(claim_id, settlement, limit, lease)  # noqa: E731
+        return await self._actor.gate(
+            "settle", run, claim_id=claim_id, settlement=settlement, then_claim=(limit, lease)
+        )
 
     async def release_stranded(self) -> int:
         return await self._actor.gate("release_stranded", self.real.release_stranded)
@@ -419,8 +438,9 @@ class World:
             if not call.future.done():
                 call.future.set_exception(exc)
             return
-        if isinstance(result, model.Claim):
-            call.actor.claims.add(result.claim_id)
+        claimed = result[1] if isinstance(result, tuple) else result
+        if isinstance(claimed, model.Claim):
+            call.actor.claims.add(claimed.claim_id)
         if not call.future.done():
             call.future.set_result(result)
 
@@ -456,6 +476,9 @@ class World:
         self.run(self._hold(call))
 
     async def _hold(self, call: Call) -> None:
+        if call.then_claim is not None:  # it claims too: held on its relay's own store
+            await self._hold_chained(call)
+            return
         assert call.settlement is not None
         conn = await connect(self.url, call.actor.name)
         await conn.execute(load().relay_session)
@@ -471,15 +494,60 @@ class World:
         self.held.append(Held(call, conn, task))
         await self._quiet()
 
+    async def _hold_chained(self, call: Call) -> None:
+        pool = call.actor.store.pool
+        release: asyncio.Future[tuple[str, float]] = self.loop.create_future()
+        pool.hold = release
+        ran = pool.held_ran = asyncio.Event()
+        task = self.loop.create_task(self._deliver(call))
+        waiting = self.loop.create_task(self._until_done_or_waiting(call.actor.name, task))
+        statement = self.loop.create_task(ran.wait())
+        await asyncio.wait((task, waiting, statement), return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+        statement.cancel()
+        if task.done():  # it failed before its statement ran: the relay has the error
+            task.result()
+        else:
+            self.held.append(Held(call, None, task, release, ran, self.offset))
+        await self._quiet()
+
+    async def _drop(self, held: Held) -> None:
+        """Its relay is gone: the transaction rolls back."""
+        if held.conn is not None:
+            await held.conn.close()
+        elif held.release is not None and not held.release.done():
+            if held.ran is not None and not held.ran.is_set():  # still waiting on a lock
+                await self.monitor.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE application_name = %s AND wait_event_type = 'Lock'",
+                    [held.call.actor.name],
+                )
+            held.release.set_result(("rollback", 0.0))
+            with contextlib.suppress(Exception):
+                await held.task
+
     def finishable(self) -> list[Held]:
-        return [h for h in self.held if h.task.done()]
+        return [h for h in self.held if h.done]
 
-    def finish_held(self, held: Held) -> None:
-        """Commit a held settle whose statement is done; its relay gets on."""
+    def finish_held(self, held: Held, end: str = "commit") -> None:
+        """End a held settle whose statement is done (one that claims too may also roll back or
+        be lost, as HeldClaim.release says); its relay gets on."""
         self.held.remove(held)
-        self.run(self._finish(held))
+        self.run(self._finish(held, end))
 
-    async def _finish(self, held: Held) -> None:
+    async def _finish(self, held: Held, end: str) -> None:
+        if held.release is not None:
+            held.release.set_result((end, self.offset - held.offset))
+            await held.task
+            if end != "commit":  # its relay settles again after a real back-off: wait for it
+                deadline = time.monotonic() + 20
+                while not held.call.actor.pending:
+                    if time.monotonic() > deadline:
+                        raise AssertionError(f"{held.call.actor} did not settle again")
+                    await asyncio.sleep(0.01)
+            await self._catch_up()
+            return
+        assert held.conn is not None
         archived, dead, retried, released, blocked = held.task.result()
         await held.conn.commit()
         await held.conn.close()
@@ -498,10 +566,10 @@ class World:
         pool = call.actor.store.pool
         release: asyncio.Future[tuple[str, float]] = self.loop.create_future()
         pool.hold = release
-        pool.held_ran.clear()
+        ran = pool.held_ran = asyncio.Event()
         task = self.loop.create_task(self._deliver(call))
         deadline = time.monotonic() + 20
-        while not (pool.held_ran.is_set() or task.done()):  # SKIP LOCKED: it never waits
+        while not (ran.is_set() or task.done()):  # SKIP LOCKED: it never waits
             if time.monotonic() > deadline:
                 raise AssertionError(f"{call}'s statement did not finish")
             await asyncio.sleep(0.001)
@@ -533,7 +601,7 @@ class World:
         actor.pending.clear()
         for held in [h for h in self.held if h.call.actor is actor]:
             self.held.remove(held)
-            self.run(held.conn.close())
+            self.run(self._drop(held))
         for claim in [h for h in self.held_claims if h.call.actor is actor]:
             self.end_held_claim(claim, "rollback")
         self.run(self._catch_up())
@@ -785,7 +853,7 @@ class World:
             if actor.beating is not None:
                 actor.beating.cancel()
         for held in self.held:
-            self.run(held.conn.close())
+            self.run(self._drop(held))
         for claim in self.held_claims:
             claim.release.cancel()
         for _, task in self.in_flight:

@@ -151,8 +151,18 @@ class MemoryStore:
         self._enter("release_stranded")
         return 0  # no ordering keys here
 
+    async def settle_then_claim(
+        self, claim_id: UUID, settlement: model.Settlement, limit: int, lease: float
+    ) -> tuple[model.SettleCounts, model.Claim]:
+        self._enter("settle_then_claim")  # one transaction: both or neither
+        counts = self._settle(claim_id, settlement)
+        return counts, self._lease(lambda r: r.claim_id is None, limit, lease, self.batch_max_bytes)
+
     async def settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:
         self._enter("settle")
+        return self._settle(claim_id, settlement)
+
+    def _settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:
         owned = {i for i, r in self.rows.items() if r.claim_id == claim_id}
         for i in settlement.resent:
             if i in owned:
