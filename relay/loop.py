@@ -256,7 +256,9 @@ class Relay:
             )
             if not orphan.messages:
                 break
-            report = report.combine(await self._work(orphan, seconds))
+            # Not chained: the next batch would wait, claimed, behind every orphan still to come
+            # (and a row that kills its relay would take it down too).
+            report = report.combine(await self._work(orphan, seconds, chain=False))
         return report
 
     async def run_until_empty(self) -> model.CycleReport:
@@ -378,8 +380,11 @@ class Relay:
             buried=len(buried), dead={model.DeadReason.MAX_ATTEMPTS: len(buried)}
         )
 
-    async def _work(self, claim: model.Claim, claim_seconds: float) -> model.CycleReport:
-        """Publish one claim's rows and settle them."""
+    async def _work(
+        self, claim: model.Claim, claim_seconds: float, *, chain: bool = True
+    ) -> model.CycleReport:
+        """Publish one claim's rows and settle them (claiming the next batch with the settle,
+        when `chain`)."""
         if not claim.messages:
             return model.CycleReport(claim_seconds=(claim_seconds,))
         batch = sorted(claim.messages, key=lambda m: m.id)
@@ -390,7 +395,7 @@ class Relay:
                 settlement = release(batch, "released unsent: the relay was stopping")
             else:
                 to_send, results, settlement = await self._publish(claim, batch)
-            counts = await self._settle(claim.claim_id, settlement)
+            counts = await self._settle(claim.claim_id, settlement, chain=chain)
         finally:
             self.leases.drop(claim.claim_id)
         _log_transitions(batch, settlement, counts)
@@ -429,14 +434,18 @@ class Relay:
         )
         return to_send, results, settlement
 
-    async def _settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:
-        """Settle the batch and claim the next one in the same round trip (docs/decisions/0005)
-        — unless a batch is claimed ahead already, or something went wrong with this one (it
-        gives rows back: then another replica may do better), or the relay is stopping."""
+    async def _settle(
+        self, claim_id: UUID, settlement: model.Settlement, *, chain: bool = False
+    ) -> model.SettleCounts:
+        """Settle the batch; when `chain`, claim the next one in the same round trip
+        (docs/decisions/0005) — unless a batch is claimed ahead already, or something went wrong
+        with this one (it gives rows back: then another replica may do better), or the relay is
+        stopping."""
         # The broker has spoken; forgetting what it said would re-send the batch after the lease.
         # So a settle is retried for as long as it takes (shutdown's timeout is the outer bound).
         chain = (
-            self._options.prefetch
+            chain
+            and self._options.prefetch
             and self._prefetched is None
             and not settlement.retry
             and not self._publisher.blocked

@@ -236,9 +236,8 @@ class PgStore:
     @staticmethod
     def _claimed(claim_id: UUID, rows: list[Any], trailer: Any) -> model.Claim:
         slow = [row for row in rows if row.lane == "messages"]
-        cut_short = (bool(slow) and slow[0].locked > len(slow)) or trailer.locked > len(rows) - len(
-            slow
-        )
+        ready = sum(row.lane == "ready" for row in rows)
+        cut_short = (bool(slow) and slow[0].locked > len(slow)) or trailer.locked > ready
         return model.Claim(claim_id, tuple(_message(row) for row in rows), cut_short)
 
     async def claim_orphans(self, limit: int, lease: float, max_attempts: int) -> model.Claim:

@@ -41,6 +41,33 @@ BEGIN
     WHERE b.ordering_key = ANY(p_keys)
     ORDER BY b.ordering_key
     FOR KEY SHARE;
+    IF p_claim IS NULL
+       AND NOT EXISTS (SELECT 1 FROM unnest(p_reasons) AS r(reason) WHERE r.reason IS NOT NULL)
+    THEN  -- releasing only: 0012's statement, which reads each successor once
+        WITH settled AS (
+            SELECT s.ordering_key, s.seq, coalesce(k.concurrency, 1) AS concurrency,
+                   coalesce(k.min_interval, '0') AS min_interval
+            FROM unnest(p_keys, p_seqs) AS s(ordering_key, seq)
+            LEFT JOIN keys k USING (ordering_key)
+            WHERE s.seq IS NOT NULL
+        ), paced AS (
+            INSERT INTO key_releases AS r (ordering_key, settled_at)
+            SELECT DISTINCT ordering_key, now() FROM settled WHERE min_interval > '0'
+            ON CONFLICT (ordering_key) DO UPDATE SET settled_at = excluded.settled_at
+        ), freed AS (
+            UPDATE messages m
+            SET gated = false,
+                available_at = greatest(m.available_at, now() + s.min_interval)
+            FROM settled s
+            WHERE m.ordering_key = s.ordering_key
+              AND m.seq = s.seq + s.concurrency
+              AND m.gated
+              AND NOT EXISTS (SELECT 1 FROM blocked_keys b WHERE b.ordering_key = s.ordering_key)
+            RETURNING 1
+        )
+        SELECT count(*) INTO released FROM freed;
+        RETURN;
+    END IF;
     IF NOT EXISTS (SELECT 1 FROM unnest(p_reasons) AS r(reason) WHERE r.reason IS NOT NULL) THEN
         WITH settled AS (
             SELECT s.ordering_key, s.seq, coalesce(k.concurrency, 1) AS concurrency,
@@ -342,8 +369,13 @@ AS $$
 $$;
 
 -- The relay's settle and next claim in one: settle p_claim_id's batch as settle does, claiming
--- the keyed rows it releases under p_next_id, then claim_batch for the rest of p_limit and
--- p_max_bytes under the same id (its other parameters are claim_batch's).
+-- the keyed rows it releases under p_next_id — at most p_limit − 1 of them and half of
+-- p_max_bytes (one larger row alone), so that the claim that follows always has room and
+-- unkeyed rows and new keys never wait behind a keyed backlog — then claim_batch for the rest of
+-- p_limit and p_max_bytes under the same id (its other parameters are claim_batch's). As with
+-- any claim, a batch may end one row past p_max_bytes (a claim's first row always goes); and
+-- claim_batch counts the released rows' bytes once more when it moves from one lane to the
+-- other, so with messages of megabytes a batch is smaller than it could be.
 CREATE FUNCTION settle_then_claim(
     p_claim_id    uuid,
     p_archive     bigint[],
@@ -402,7 +434,7 @@ BEGIN
     SELECT * INTO v_counts
     FROM _settle(p_claim_id, p_archive, p_dead, p_reasons, p_details, p_retry, p_delays,
                  p_errors, p_refunds, p_ambiguous, p_resent, p_durable, p_next_id, p_claimed_by,
-                 p_lease, p_limit - 1, p_max_bytes);
+                 p_lease, p_limit - 1, greatest(p_max_bytes / 2, 1));
     IF v_counts.claimed > 0 THEN
         -- The rows it claimed all have the same lease end, which messages_leased_idx finds.
         RETURN QUERY
@@ -424,7 +456,8 @@ BEGIN
                      p_verify) AS c;
     GET DIAGNOSTICS v_claimed = ROW_COUNT;
     IF v_counts.claimed > 0 OR v_claimed > 1 THEN  -- a claim is durable before it returns
-        PERFORM set_config('synchronous_commit', v_commit, true);
+        PERFORM set_config('synchronous_commit',
+                           CASE WHEN v_commit = 'off' THEN 'on' ELSE v_commit END, true);
     END IF;
     RETURN QUERY
     SELECT NULL::bigint, NULL::uuid, NULL::text, NULL::text, NULL::bytea, NULL::text, NULL::text,
