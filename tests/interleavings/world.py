@@ -495,6 +495,18 @@ class World:
         await self._quiet()
 
     async def _hold_chained(self, call: Call) -> None:
+        started = await self._start_held(call, may_wait=True)
+        if started is not None:
+            release, ran, task = started
+            self.held.append(Held(call, None, task, release, ran, self.offset))
+        await self._quiet()
+
+    async def _start_held(
+        self, call: Call, *, may_wait: bool
+    ) -> tuple[asyncio.Future[tuple[str, float]], asyncio.Event, asyncio.Task[Any]] | None:
+        """Run `call` on a connection of its relay's store left in a transaction that ends as the
+        returned future says; return once its statement has run — or, if `may_wait`, waits on a
+        lock. None if it failed before its statement ran (the relay has the error)."""
         pool = call.actor.store.pool
         release: asyncio.Future[tuple[str, float]] = self.loop.create_future()
         pool.hold = release
@@ -503,13 +515,16 @@ class World:
         waiting = self.loop.create_task(self._until_done_or_waiting(call.actor.name, task))
         statement = self.loop.create_task(ran.wait())
         await asyncio.wait((task, waiting, statement), return_when=asyncio.FIRST_COMPLETED)
-        waiting.cancel()
         statement.cancel()
-        if task.done():  # it failed before its statement ran: the relay has the error
-            task.result()
+        if waiting.done():
+            if waiting.result() is False and not may_wait:
+                raise AssertionError(f"{call} waited on a lock")  # SKIP LOCKED: it never waits
         else:
-            self.held.append(Held(call, None, task, release, ran, self.offset))
-        await self._quiet()
+            waiting.cancel()
+        if task.done():
+            task.result()
+            return None
+        return release, ran, task
 
     async def _drop(self, held: Held) -> None:
         """Its relay is gone: the transaction rolls back."""
@@ -563,19 +578,9 @@ class World:
         self.run(self._hold_claim(call))
 
     async def _hold_claim(self, call: Call) -> None:
-        pool = call.actor.store.pool
-        release: asyncio.Future[tuple[str, float]] = self.loop.create_future()
-        pool.hold = release
-        ran = pool.held_ran = asyncio.Event()
-        task = self.loop.create_task(self._deliver(call))
-        deadline = time.monotonic() + 20
-        while not (ran.is_set() or task.done()):  # SKIP LOCKED: it never waits
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{call}'s statement did not finish")
-            await asyncio.sleep(0.001)
-        if task.done():  # it failed before its statement ran: the relay has the error
-            task.result()
-        else:
+        started = await self._start_held(call, may_wait=False)
+        if started is not None:
+            release, _, task = started
             self.held_claims.append(HeldClaim(call, release, task, self.offset))
         await self._quiet()
 
