@@ -3,7 +3,7 @@
 Producers call `relay.enqueue(conn, ...)` (or `relay.enqueue_async`, or `relay.enqueue_many` for
 batches) inside their own transaction;
 `outbox-relay run` publishes what commits. The producer functions load psycopg on first use, so
-`import relay.model` stays free of drivers.
+`import relay.core.model` stays free of drivers.
 """
 
 from __future__ import annotations
@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from relay.producer import Message, enqueue, enqueue_async, enqueue_many, enqueue_many_async
+    from relay.postgres.producer import (
+        Message,
+        enqueue,
+        enqueue_async,
+        enqueue_many,
+        enqueue_many_async,
+    )
 
 __all__ = [
     "Message",
@@ -27,7 +33,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in ("Message", "enqueue", "enqueue_async", "enqueue_many", "enqueue_many_async"):
-        from relay import producer
+        from relay.postgres import producer
 
         return getattr(producer, name)
     raise AttributeError(f"module 'relay' has no attribute {name!r}")

@@ -1,5 +1,5 @@
 """`python -m relay` is `outbox-relay`."""
 
-from relay.cli import main
+from relay.cli.commands import main
 
 main(prog_name="outbox-relay")

@@ -17,26 +17,17 @@ from urllib.parse import urlsplit
 
 import tenacity
 
-from relay import (
-    __version__,
-    chores,
-    config,
-    errors,
-    eventloop,
-    loop,
-    metrics,
-    migrate,
-    model,
-    retry,
-    tracing,
-)
-from relay.admin import Admin
-from relay.listener import Listener
-from relay.probes import Probes
-from relay.publisher import AmqpPublisher, tls_context
-from relay.retention import Pruner
-from relay.store import PgStore
-from relay.watch import READINESS_INTERVAL, Watcher
+from relay import __version__
+from relay.amqp.publisher import AmqpPublisher, tls_context
+from relay.core import chores, config, errors, eventloop, loop, model, retry, tracing
+from relay.ops import metrics
+from relay.ops.probes import Probes
+from relay.ops.retention import Pruner
+from relay.ops.watch import READINESS_INTERVAL, Watcher
+from relay.postgres import migrate
+from relay.postgres.admin import Admin
+from relay.postgres.listener import Listener
+from relay.postgres.store import PgStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -1,44 +1,28 @@
-"""The project's exceptions: adapters translate driver errors into these, so no upper layer
-sees a driver's."""
+"""The errors users catch, by their public name: `relay.errors.InvalidMessage` and the rest
+(relay.core.errors)."""
 
-from __future__ import annotations
+from relay.core.errors import (
+    BrokerUnavailable,
+    ConfigError,
+    DatabaseUnavailable,
+    DuplicateMessage,
+    InvalidArgument,
+    InvalidMessage,
+    MigrationError,
+    RelayError,
+    SchemaMissing,
+    TransientError,
+)
 
-
-class RelayError(Exception):
-    """Base of every error outbox-relay raises on purpose."""
-
-
-class ConfigError(RelayError, ValueError):
-    """A setting is missing or malformed (raised before anything connects)."""
-
-
-class InvalidArgument(RelayError, ValueError):
-    """An operator command or API call was given an argument it cannot use; nothing changed."""
-
-
-class InvalidMessage(RelayError, ValueError):
-    """`enqueue` was given arguments that cannot become an AMQP message; nothing was written."""
-
-
-class DuplicateMessage(InvalidMessage):
-    """A message with this `message_id` is already waiting in the outbox."""
-
-
-class SchemaMissing(RelayError):
-    """The outbox schema or one of its objects does not exist: `outbox-relay migrate` never ran."""
-
-
-class MigrationError(RelayError):
-    """The migrations on disk disagree with the ones recorded in the database."""
-
-
-class TransientError(RelayError):
-    """A service is unreachable or a connection dropped; the operation may succeed if retried."""
-
-
-class DatabaseUnavailable(TransientError):
-    """PostgreSQL could not be reached, or the connection broke mid-operation."""
-
-
-class BrokerUnavailable(TransientError):
-    """RabbitMQ could not be reached, or the connection broke mid-operation."""
+__all__ = [
+    "BrokerUnavailable",
+    "ConfigError",
+    "DatabaseUnavailable",
+    "DuplicateMessage",
+    "InvalidArgument",
+    "InvalidMessage",
+    "MigrationError",
+    "RelayError",
+    "SchemaMissing",
+    "TransientError",
+]

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 import psycopg
 import pytest
 
-from relay import migrate
+from relay.postgres import migrate
 from tests.support import amqp, services
 
 

@@ -11,9 +11,10 @@ from uuid import UUID
 
 import psycopg
 
-from relay import errors, pg, sql
-from relay.pg import translate_errors
+from relay.core import errors
 from relay.pipeline.lake import Table
+from relay.postgres import pg, sql
+from relay.postgres.pg import translate_errors
 
 
 class PipelineDatabase:

@@ -11,7 +11,7 @@ from datetime import datetime
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F  # Spark's own convention
 
-from relay import render
+from relay.core import render
 from relay.pipeline import jdbc
 from relay.pipeline.database import PipelineDatabase
 from relay.pipeline.lake import TABLES, TIME_COLUMN, Manifest, Range, Table, read, table_path

@@ -8,7 +8,7 @@ from urllib.parse import quote
 
 import psycopg.conninfo
 
-from relay import errors
+from relay.core import errors
 
 #: libpq parameters the JDBC driver understands, by its own name for them.
 _PASSED = {

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pyspark.sql import SparkSession
 
-from relay import config, render
+from relay.core import config, render
 from relay.pipeline import charts, report, session
 from relay.pipeline.database import PipelineDatabase
 from relay.pipeline.export import Source, export

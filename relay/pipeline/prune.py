@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F  # Spark's own convention
 
-from relay import render
+from relay.core import render
 from relay.pipeline.database import PipelineDatabase
 from relay.pipeline.lake import Manifest, Range, read, table_path
 

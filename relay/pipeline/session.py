@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 from pyspark.sql import SparkSession
 
-from relay import config, errors
+from relay.core import config, errors
 
 LOG_CONFIG = Path(__file__).with_name("log4j2.properties")
 

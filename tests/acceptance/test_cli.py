@@ -10,7 +10,7 @@ import psycopg
 import pytest
 
 import relay
-from relay import migrate
+from relay.postgres import migrate
 from tests.support.amqp import Broker
 from tests.support.processes import RelayProcess, assert_one_line_error, clean_env, run_cli
 

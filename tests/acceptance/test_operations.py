@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import relay
-from relay import metrics
+from relay.ops import metrics
 from tests.support.amqp import Broker
 from tests.support.processes import RelayProcess, clean_env
 from tests.support.proxy import TcpProxy

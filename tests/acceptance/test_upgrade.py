@@ -23,7 +23,7 @@ import pytest
 from psycopg import sql
 
 import relay
-from relay import migrate, roles
+from relay.postgres import migrate, roles
 from tests.support.amqp import Broker
 from tests.support.processes import RelayProcess, clean_env
 from tests.support.wait import until

@@ -28,8 +28,9 @@ from psycopg.rows import namedtuple_row
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from relay import model, sql
-from relay import store as pgstore
+from relay.core import model
+from relay.postgres import sql
+from relay.postgres import store as pgstore
 from tests.support import services
 
 SEGMENT = 131072  # ids per segment of the ring (sql/0015_ready_lane.sql, _seg)

@@ -54,8 +54,8 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from relay.model import OutboxMessage, Outcome
-from relay.publisher import AmqpPublisher
+from relay.amqp.publisher import AmqpPublisher
+from relay.core.model import OutboxMessage, Outcome
 from tests.benchmarks import horizon
 from tests.benchmarks.drain import delete
 from tests.support import services

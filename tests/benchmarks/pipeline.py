@@ -123,7 +123,7 @@ def baseline(url: str, lake: Path, chunk: int = 100_000) -> dict[str, Any]:
 
 def spark(url: str, lake: Path, report: Path, master: str, cutoff: datetime) -> dict[str, Any]:
     """export, report and prune as the pipeline runs them, timed per phase."""
-    from relay import config
+    from relay.core import config
     from relay.pipeline import charts, session
     from relay.pipeline import report as reporting
     from relay.pipeline.database import PipelineDatabase

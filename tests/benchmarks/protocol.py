@@ -32,8 +32,8 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from relay import migrate, sql
-from relay.store import CHUNK
+from relay.postgres import migrate, sql
+from relay.postgres.store import CHUNK
 from tests.support import services
 
 #: What relays ran to archive a batch before migration 0013 (relay/queries.sql at 21e837a).

@@ -27,8 +27,9 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import relay
-from relay import admin, model
-from relay.store import PgStore
+from relay.core import model
+from relay.postgres import admin
+from relay.postgres.store import PgStore
 from tests.support import services
 
 PER_CYCLE = 50

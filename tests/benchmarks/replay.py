@@ -19,8 +19,8 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from relay import admin
-from relay.filters import DeadFilter
+from relay.core.filters import DeadFilter
+from relay.postgres import admin
 from tests.support import services
 
 

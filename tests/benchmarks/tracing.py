@@ -29,7 +29,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 import relay
-from relay import model, tracing
+from relay.core import model, tracing
 from tests.support import services
 from tests.support.fakes import ScriptedPublisher
 
@@ -38,7 +38,7 @@ BODY = b"x" * 1024
 WITHOUT_OTEL = """
 import sys, time
 sys.modules["opentelemetry"] = None
-from relay import tracing
+from relay.core import tracing
 headers, n = {"tenant": "acme", "kind": "order"}, %d
 started = time.perf_counter()
 for _ in range(n):

@@ -37,7 +37,7 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import relay
-from relay import migrate
+from relay.postgres import migrate
 from tests.support import services
 from tests.support.processes import RelayProcess, clean_env
 

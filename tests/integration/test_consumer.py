@@ -13,8 +13,9 @@ import psycopg
 import pytest
 
 import relay
-from relay import app, errors
-from relay.consumer import Inbox, Problem, SequenceChecker
+from relay import app
+from relay.core import errors
+from relay.postgres.consumer import Inbox, Problem, SequenceChecker
 from tests.support.amqp import Broker
 from tests.support.inprocess import settings_for
 from tests.support.wait import until_async

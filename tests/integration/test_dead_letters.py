@@ -17,9 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import relay
-from relay import admin, config, errors, metrics, sql
-from relay.filters import DeadFilter
-from relay.retention import Pruner
+from relay.core import config, errors
+from relay.core.filters import DeadFilter
+from relay.ops import metrics
+from relay.ops.retention import Pruner
+from relay.postgres import admin, sql
 from tests.support.amqp import Broker
 from tests.support.inprocess import enqueue, query, running, settings_for, wait_for_count
 from tests.support.wait import until_async

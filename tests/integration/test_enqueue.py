@@ -13,7 +13,7 @@ import psycopg.errors
 import pytest
 
 import relay
-from relay import errors
+from relay.core import errors
 
 
 def count(url: str, table: str = "messages") -> int:

@@ -14,8 +14,8 @@ from urllib.parse import urlsplit
 import psycopg
 import pytest
 
-from relay.listener import Listener
-from relay.store import PgStore
+from relay.postgres.listener import Listener
+from relay.postgres.store import PgStore
 from tests.support.amqp import Broker
 from tests.support.inprocess import enqueue, query, running, settings_for, wait_for_count
 from tests.support.proxy import TcpProxy

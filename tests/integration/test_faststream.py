@@ -14,7 +14,7 @@ from opentelemetry import propagate, trace
 
 import relay
 from relay import app
-from relay.consumer import Inbox, SequenceChecker
+from relay.postgres.consumer import Inbox, SequenceChecker
 from tests.support.amqp import Broker
 from tests.support.inprocess import query, settings_for
 from tests.support.tracing import recorded_spans

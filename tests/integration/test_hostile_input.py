@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from psycopg.types.json import Jsonb
 
 import relay
-from relay import app, errors, model
+from relay import app
+from relay.core import errors, model
 from tests.support.amqp import Broker
 from tests.support.inprocess import settings_for
 

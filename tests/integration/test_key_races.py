@@ -15,8 +15,9 @@ import psycopg
 import pytest
 
 import relay
-from relay import admin, loop, model
-from relay.store import PgStore
+from relay.core import loop, model
+from relay.postgres import admin
+from relay.postgres.store import PgStore
 from tests.support.fakes import ScriptedPublisher
 from tests.support.wait import until_async
 

@@ -9,8 +9,8 @@ import psycopg
 import pytest
 
 import relay
-from relay import config, errors
-from relay.store import PgStore
+from relay.core import config, errors
+from relay.postgres.store import PgStore
 
 
 def sql(url: str, text: str, *args: Any) -> list[tuple[Any, ...]]:

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from relay import model
+from relay.core import model
 from tests.integration.test_ready_lane import enqueue, store
 from tests.support.processes import assert_one_line_error, clean_env, run_cli
 

@@ -12,8 +12,8 @@ import psycopg
 import pytest
 
 import relay
-from relay import loop, model
-from relay.store import PgStore
+from relay.core import errors, loop, model
+from relay.postgres.store import PgStore
 from tests.support.fakes import ScriptedPublisher
 from tests.support.inprocess import query
 from tests.support.wait import until_async
@@ -118,7 +118,7 @@ async def test_a_batch_claimed_ahead_is_not_published_after_a_broker_outage_outl
         assert (await cycle).settled.archived == 3
 
         broker_a.down = 1_000_000  # the broker is gone for a while
-        with pytest.raises(relay.errors.BrokerUnavailable):
+        with pytest.raises(errors.BrokerUnavailable):
             await relay_a.run_once()
         await expired(database_url, "k", 1)
 

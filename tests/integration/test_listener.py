@@ -9,7 +9,7 @@ import psycopg
 import pytest
 
 import relay
-from relay.listener import Listener
+from relay.postgres.listener import Listener
 from tests.support.wait import until_async
 
 

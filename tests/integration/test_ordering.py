@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 
 import relay
-from relay import admin
+from relay.postgres import admin
 from tests.support.amqp import Broker
 from tests.support.inprocess import query, running, settings_for, wait_for_count
 

@@ -15,8 +15,9 @@ from urllib.parse import urlsplit
 import aio_pika
 import pytest
 
-from relay import errors, model, wire
-from relay.publisher import AmqpPublisher
+from relay.amqp import frames as wire
+from relay.amqp.publisher import AmqpPublisher
+from relay.core import errors, model
 from tests.support.amqp import Broker
 from tests.support.proxy import TcpProxy
 from tests.support.services import Services

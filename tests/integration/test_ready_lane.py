@@ -14,8 +14,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from relay import model
-from relay.store import STRAGGLER_WAIT, PgStore
+from relay.core import model
+from relay.postgres.store import STRAGGLER_WAIT, PgStore
 from tests.support.inprocess import query
 
 pytestmark = pytest.mark.asyncio

@@ -7,7 +7,8 @@ from datetime import UTC, datetime, timedelta
 import psycopg
 import pytest
 
-from relay import app, config
+from relay import app
+from relay.core import config
 from tests.support.amqp import Broker
 from tests.support.inprocess import enqueue, query, running, settings_for, wait_for_count
 

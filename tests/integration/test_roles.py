@@ -12,7 +12,7 @@ import pytest
 from psycopg import errors as pgerrors
 
 import relay
-from relay import migrate, roles
+from relay.postgres import migrate, roles
 from tests.support.amqp import Broker
 from tests.support.processes import RelayProcess, clean_env, run_cli
 

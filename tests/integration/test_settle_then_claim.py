@@ -11,8 +11,9 @@ import psycopg
 import pytest
 
 import relay
-from relay import admin, model
-from relay.store import PgStore
+from relay.core import model
+from relay.postgres import admin
+from relay.postgres.store import PgStore
 
 SETTLE_THEN_CLAIM = (
     "SELECT lane FROM outbox.settle_then_claim(%s, '{}', '{}', '{}', '{}', '{}', '{}', '{}',"

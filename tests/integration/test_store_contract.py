@@ -14,8 +14,8 @@ import psycopg
 import pytest
 
 import relay
-from relay import model, ports
-from relay.store import PgStore
+from relay.core import model, ports
+from relay.postgres.store import PgStore
 from tests.support.fakes import MemoryStore
 from tests.support.wait import until_async
 

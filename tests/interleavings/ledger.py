@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 from uuid import UUID
 
-from relay import model
+from relay.core import model
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

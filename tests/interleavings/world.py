@@ -27,9 +27,9 @@ import psycopg
 from psycopg import sql as pgsql
 
 import relay
-from relay import errors, loop, model
-from relay import store as pgstore
-from relay.sql import load
+from relay.core import errors, loop, model
+from relay.postgres import store as pgstore
+from relay.postgres.sql import load
 from tests.interleavings.ledger import Ledger, RowNow, Send, outcome
 
 T = TypeVar("T")

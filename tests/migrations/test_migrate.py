@@ -9,7 +9,8 @@ import psycopg
 import pytest
 
 import relay
-from relay import errors, migrate
+from relay.core import errors
+from relay.postgres import migrate
 
 ALL = migrate.discover()
 

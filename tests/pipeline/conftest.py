@@ -22,7 +22,7 @@ os.environ.setdefault("JAVA_TOOL_OPTIONS", "-XX:TieredStopAtLevel=1 -XX:+UseSeri
 
 from pyspark.sql import SparkSession
 
-from relay import config
+from relay.core import config
 from relay.pipeline import session
 
 #: Rows published before this are exported; the test data straddles it.

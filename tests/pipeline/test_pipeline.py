@@ -19,7 +19,7 @@ import pytest
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from relay import config, errors
+from relay.core import config, errors
 from relay.pipeline import charts, jobs, report
 from relay.pipeline.database import PipelineDatabase
 from relay.pipeline.export import Source, export

@@ -15,7 +15,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID
 
-from relay import errors, model
+from relay.core import errors, model
 
 
 @dataclasses.dataclass

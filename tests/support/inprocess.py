@@ -11,7 +11,8 @@ from uuid import UUID
 import psycopg
 
 import relay
-from relay import app, config
+from relay import app
+from relay.core import config
 from tests.support.wait import until_async
 
 

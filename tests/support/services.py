@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import psycopg
 
-from relay import migrate
+from relay.postgres import migrate
 
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"

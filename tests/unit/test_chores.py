@@ -7,7 +7,8 @@ import logging
 
 import pytest
 
-from relay import app, chores
+from relay import app
+from relay.core import chores
 
 
 class Clock:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from relay import config, errors
+from relay.core import config, errors
 
 
 def test_defaults_match_the_documented_contract() -> None:

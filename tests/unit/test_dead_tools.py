@@ -11,9 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relay import errors, metrics, render
-from relay.filters import DeadFilter, when
-from relay.retention import Pruner
+from relay.core import errors, render
+from relay.core.filters import DeadFilter, when
+from relay.ops import metrics
+from relay.ops.retention import Pruner
 
 NOW = datetime(2026, 11, 21, 12, 0, tzinfo=UTC)
 

@@ -18,7 +18,9 @@ import promql_parser
 import pytest
 import yaml
 
-from relay import cli, config, metrics
+from relay.cli import commands as cli
+from relay.core import config
+from relay.ops import metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
-from relay import cli, config
+from relay.cli import commands as cli
+from relay.core import config
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 ROW = re.compile(r"^\| `(OUTBOX_\w+)` \| `(--[\w-]+)` \| `([^`]*)` \| .+ \|$")

@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-from relay import config, errors, eventloop
+from relay.core import config, errors, eventloop
 
 
 def test_auto_runs_on_uvloop_when_it_is_installed() -> None:

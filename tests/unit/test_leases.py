@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from relay import errors, leases, loop, model
+from relay.core import errors, leases, loop, model
 from tests.support.fakes import MemoryStore, ScriptedPublisher
 
 LEASE = 10.0

@@ -10,7 +10,7 @@ from uuid import uuid4
 
 import pytest
 
-from relay import errors, loop, model
+from relay.core import errors, loop, model
 from tests.support.fakes import MemoryStore, Script, ScriptedPublisher
 from tests.support.wait import until_async
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from relay import metrics, model
+from relay.core import model
+from relay.ops import metrics
 
 
 def test_a_report_is_counted_by_class() -> None:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from relay import config, errors
+from relay.core import config, errors
 from relay.pipeline import jdbc
 from tests.support.processes import assert_one_line_error, clean_env, run_cli
 
@@ -65,7 +65,7 @@ def test_pipeline_settings() -> None:
 
 def test_nothing_but_the_pipeline_loads_pyspark_or_matplotlib() -> None:
     probe = (
-        "import sys, relay, relay.cli, relay.app, relay.admin;"
+        "import sys, relay, relay.cli.commands, relay.app, relay.admin;"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pyspark', 'matplotlib')))"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)

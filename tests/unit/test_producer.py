@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from relay import errors, producer
+from relay.core import errors
+from relay.postgres import producer
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from relay import errors, roles, sql
+from relay.core import errors
+from relay.postgres import roles, sql
 
 
 def test_every_query_is_loaded_and_bound_to_the_schema() -> None:

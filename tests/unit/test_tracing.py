@@ -1,4 +1,4 @@
-"""relay.tracing: trace context into headers at enqueue, and the relay's linked publish spans."""
+"""relay.core.tracing: trace context into headers at enqueue, and the linked publish spans."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from relay import model, tracing
+from relay.core import model, tracing
 from tests.support.fakes import ScriptedPublisher
 
 Outcome = model.Outcome
@@ -156,7 +156,7 @@ def test_without_opentelemetry_nothing_changes_and_nothing_fails() -> None:
     through untouched."""
     code = (
         "import sys; sys.modules['opentelemetry'] = None\n"
-        "from relay import tracing\n"
+        "from relay.core import tracing\n"
         "from tests.support.fakes import ScriptedPublisher\n"
         "headers = {'traceparent': 'x'}\n"
         "publisher = ScriptedPublisher()\n"

@@ -1,11 +1,11 @@
-"""The ready lane's window (relay/store.py, docs/decisions/0004): when a relay closes it, with a
-clock the test moves."""
+"""The ready lane's window (relay/postgres/store.py, docs/decisions/0004): when a relay closes
+it, with a clock the test moves."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from relay.store import STRAGGLER_WAIT, WHOLE_LANE, Window
+from relay.postgres.store import STRAGGLER_WAIT, WHOLE_LANE, Window
 
 
 class Clock:

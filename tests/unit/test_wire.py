@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 from pamqp import body, commands, frame, header
 
-from relay import publisher, wire
+from relay.amqp import frames as wire
+from relay.amqp import publisher
 
 
 @pytest.mark.parametrize(

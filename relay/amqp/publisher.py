@@ -1,0 +1,673 @@
+"""The RabbitMQ adapter: publishes a batch pipelined on a confirm channel and names each outcome."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import re
+import ssl
+import struct
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+from urllib.parse import unquote, urlsplit
+
+import aio_pika
+import aio_pika.abc
+import aiormq
+import aiormq.abc
+import aiormq.exceptions
+import pamqp.encode
+from pamqp import commands, constants, frame, header
+
+from relay.amqp import frames as wire
+from relay.core import errors, model
+
+log = logging.getLogger("relay.publisher")  # the name log lines carry: as before the folders
+
+Outcome = model.Outcome
+Reason = model.DeadReason
+
+#: How long an exchange seen to exist is trusted before it is checked again.
+EXCHANGE_TTL = 30.0
+_STRING_PROPERTIES = (
+    "content_type",
+    "content_encoding",
+    "correlation_id",
+    "reply_to",
+    "type",
+    "user_id",
+    "app_id",
+)
+_ENCODING_ERRORS = (TypeError, ValueError, OverflowError, RecursionError, struct.error)
+#: The broker or the network failing (as opposed to our code).
+_BROKER_ERRORS = (
+    aiormq.exceptions.AMQPError,
+    aiormq.exceptions.ChannelInvalidStateError,
+    ConnectionError,
+    OSError,
+    TimeoutError,
+)
+#: Errors after which a message may or may not have reached the broker.
+_CONNECTION_ERRORS = (*_BROKER_ERRORS, asyncio.CancelledError)
+_EXCHANGE_NAME = constants.DOMAIN_REGEX["exchange-name"]
+_NAMED_EXCHANGE = re.compile(r"exchange '((?:[^'\\]|\\.)*)'")
+_SIZE_LIMIT = re.compile(r"message size \d+ is larger than configured max size (\d+)")
+
+Results = dict[int, model.PublishResult]
+
+
+class InvalidRow(ValueError):
+    """The row cannot be encoded as the AMQP message it claims to be."""
+
+
+class Encoded(NamedTuple):
+    """A message's AMQP properties, and its content header frame marshalled for channel 0."""
+
+    properties: commands.Basic.Properties
+    header: bytes
+
+
+def _floats_as_doubles() -> None:
+    """Make pamqp write a float header value as a 64-bit double ('d'), not a 32-bit float ('f').
+    JSON numbers are doubles: as 'f', 0.1 arrived as 0.10000000149 and 16777217.0 as 16777216.0
+    (found by the hostile-input fuzz test). RabbitMQ and AMQP clients read 'd' as a double."""
+    original = pamqp.encode.encode_table_value
+    if getattr(original, "outbox_doubles", False):
+        return
+
+    def encode_table_value(value: Any) -> bytes:
+        if isinstance(value, float):
+            return b"d" + pamqp.encode.double(value)
+        return original(value)
+
+    encode_table_value.outbox_doubles = True  # type: ignore[attr-defined]
+    pamqp.encode.encode_table_value = encode_table_value
+
+
+_floats_as_doubles()
+
+
+def tls_context(
+    ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None
+) -> ssl.SSLContext:
+    """The TLS settings of an `amqps://` connection: the broker's certificate checked against
+    `ca_file` (else the system's trust store) and its host name verified; a client certificate if
+    given. ConfigError if a file is not what it should be."""
+    try:
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca_file)
+        if cert_file:
+            context.load_cert_chain(cert_file, key_file)
+    except (ssl.SSLError, OSError, ValueError) as exc:
+        raise errors.ConfigError(f"TLS settings for RabbitMQ: {exc}") from None
+    return context
+
+
+class AmqpPublisher:
+    """ports.Publisher on RabbitMQ. One connection with two channels: a confirm channel that
+    carries the batches, and a probe channel for passive exchange checks.
+
+    A message the broker refuses by closing the channel (missing exchange, no write permission,
+    over max_message_size, a malformed CC header…) fails every unconfirmed message on that channel.
+    So the probe checks exchanges first; and when a channel error happens anyway, the culprits are
+    named from the broker's reply (or, when it names none, found by publishing the rest one at a
+    time), dead-lettered with a reason, and the innocent rest of the batch is sent again."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        confirm_timeout: float = 10.0,
+        connect_timeout: float = 10.0,
+        exchange_ttl: float = EXCHANGE_TTL,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        self._url = url
+        self._tls = tls
+        self._login = unquote(urlsplit(url).username or "guest")
+        self._confirm_timeout = confirm_timeout
+        self._connect_timeout = connect_timeout
+        self._exchange_ttl = exchange_ttl
+        self._connection: aio_pika.abc.AbstractConnection | None = None
+        self._channel: aiormq.abc.AbstractChannel | None = None
+        self._probe: aio_pika.abc.AbstractChannel | None = None
+        self._unblocked: asyncio.Event | None = None
+        self._frame_max = 131072
+        self._max_message_size: int | None = None  # learnt from the broker's refusals
+        self._exchanges_seen: dict[str, float] = {}
+
+    @property
+    def connected(self) -> bool:
+        return (
+            self._connection is not None
+            and not self._connection.is_closed
+            and self._channel is not None
+            and not self._channel.is_closed
+        )
+
+    @property
+    def blocked(self) -> bool:
+        return self.connected and self._unblocked is not None and not self._unblocked.is_set()
+
+    async def until_unblocked(self) -> None:
+        while self.blocked:
+            assert self._unblocked is not None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._unblocked.wait(), 1.0)  # re-check the connection
+
+    async def connect(self) -> None:
+        """Open the connection and channels unless they are open. Raises BrokerUnavailable."""
+        if self.connected:
+            return
+        await self.close()
+        try:
+            connection = await aio_pika.connect(
+                self._url, timeout=self._connect_timeout, ssl_context=self._tls
+            )
+            channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+            self._channel = await channel.get_underlay_channel()
+            self._connection = connection
+            self._frame_max = _frame_max(connection)
+            self._unblocked = _unblocked_event(connection)
+        except (*_CONNECTION_ERRORS, RuntimeError) as exc:
+            await self.close()
+            raise errors.BrokerUnavailable(f"RabbitMQ unavailable: {_describe(exc)}") from exc
+        if self._unblocked is None:
+            log.warning(
+                "cannot see connection.blocked on this aiormq version; "
+                "a broker alarm will show up as confirm timeouts"
+            )
+        log.info("connected to RabbitMQ (frame_max=%d)", self._frame_max)
+
+    async def close(self) -> None:
+        """Close the connection; give up waiting for the broker's reply after connect_timeout
+        (a stalled network never sends one), which drops it all the same."""
+        connection, self._connection = self._connection, None
+        self._channel = self._probe = None
+        if connection is not None and not connection.is_closed:
+            with contextlib.suppress(*_CONNECTION_ERRORS, RuntimeError):
+                await asyncio.wait_for(connection.close(), self._connect_timeout)
+
+    async def publish(
+        self,
+        messages: Sequence[model.OutboxMessage],
+        abort: asyncio.Event | None = None,
+        still_held: Callable[[], bool] | None = None,
+    ) -> list[model.PublishResult]:
+        results: Results = {}
+        ready: dict[int, Encoded] = {}
+        for i, message in enumerate(messages):
+            try:
+                ready[i] = self._encode(message)
+            except InvalidRow as exc:
+                results[i] = model.PublishResult(Outcome.INVALID, str(exc))
+        abort = abort or asyncio.Event()
+        missing = await self._missing_exchanges({messages[i].exchange for i in ready}, abort)
+        for i in list(ready):
+            early = self._refused_before_sending(messages[i], missing)
+            if early is not None:
+                results[i] = early
+                del ready[i]
+        held = still_held or _always
+        results.update(await self._publish_in_rounds(messages, ready, abort, held))
+        return [results[i] for i in range(len(messages))]
+
+    def _refused_before_sending(
+        self, message: model.OutboxMessage, missing: set[str]
+    ) -> model.PublishResult | None:
+        if message.exchange in missing:
+            return model.PublishResult(
+                Outcome.NO_EXCHANGE, f"no exchange '{message.exchange}' on the broker"
+            )
+        if self._max_message_size is not None and len(message.body) > self._max_message_size:
+            return _rejected(
+                Reason.TOO_LARGE,
+                f"{len(message.body)} bytes; the broker's max_message_size is "
+                f"{self._max_message_size}",
+            )
+        return None
+
+    async def _publish_in_rounds(
+        self,
+        messages: Sequence[model.OutboxMessage],
+        ready: Mapping[int, Encoded],
+        abort: asyncio.Event,
+        still_held: Callable[[], bool],
+    ) -> Results:
+        """Round 1 publishes everything pipelined. After a channel error, the broker's reply names
+        the culprits if it can, and the rest go again pipelined; if it cannot, or a second error
+        comes, the rest go one at a time, so each refusal names its own message. Before each
+        write, `still_held` must say the relay still holds the messages' lease."""
+        final: Results = {}
+        todo = dict(ready)
+        resent: set[int] = set()
+        blamed: Results = {}
+        for round_ in range(3):
+            if not todo:
+                break
+            if round_:
+                try:
+                    await self.connect()
+                except errors.BrokerUnavailable as exc:
+                    final.update({i: _ambiguous(str(exc), i in resent) for i in todo})
+                    break
+            if not still_held():  # after reconnecting, which can take a while: right before writing
+                final.update({i: _not_held(round_) for i in todo})
+                break
+            one_by_one = round_ == 2 or (round_ == 1 and not blamed)
+            skipped: set[int] = set()
+            if one_by_one:
+                got, skipped = await self._one_at_a_time(messages, todo, abort, still_held)
+                error = None
+            else:
+                got, error = await self._pipelined(messages, todo, abort)
+            final.update(
+                {
+                    i: dataclasses.replace(r, resent=i in resent and i not in skipped)
+                    for i, r in got.items()
+                }
+            )
+            if error is None or abort.is_set():
+                break
+            unconfirmed = [i for i, r in got.items() if r.outcome is Outcome.AMBIGUOUS]
+            blamed = self._blame(error, messages, unconfirmed)
+            log.warning(
+                "the broker closed the publish channel (%s); %d culprit(s) named, re-sending %d",
+                _describe(error),
+                len(blamed),
+                len(unconfirmed) - len(blamed),
+            )
+            final.update(blamed)
+            todo = {i: ready[i] for i in unconfirmed if i not in blamed}
+            resent |= set(todo)
+        return final
+
+    async def _pipelined(
+        self,
+        messages: Sequence[model.OutboxMessage],
+        todo: Mapping[int, Encoded],
+        abort: asyncio.Event,
+    ) -> tuple[Results, aiormq.exceptions.ChannelClosed | None]:
+        """Publish all of `todo` at once and wait for the confirms (or the timeout, or `abort`).
+        Also returns the channel error, if the broker closed the channel."""
+        channel = self._channel
+        if channel is None or channel.is_closed:
+            return {i: _ambiguous("the channel closed before publishing") for i in todo}, None
+        clock = _Stopwatch()
+        if wire.usable(channel):
+            try:
+                confirms = await self._write_batch(channel, messages, todo)
+            except _CONNECTION_ERRORS as exc:
+                why = f"the channel closed before publishing: {_describe(exc)}"
+                return {i: _ambiguous(why) for i in todo}, None
+            tasks = {i: clock.watch(i, c) for i, c in zip(todo, confirms, strict=True)}
+        else:
+            tasks = {i: clock.watch(i, _send(channel, messages[i], e)) for i, e in todo.items()}
+        await _wait_all(list(tasks.values()), self._confirm_timeout, abort)
+        results = {
+            i: clock.time(i, _outcome(t, self._confirm_timeout, abort)) for i, t in tasks.items()
+        }
+        error = _channel_error(tasks.values())
+        if not self.connected:
+            # aiormq may still write queued frames on a channel the broker closed, which makes the
+            # broker close the whole connection: start again on a fresh one.
+            log.warning("lost the publish channel: %s", _describe(error or _any_error(tasks)))
+            await self.close()
+        return results, error
+
+    async def _one_at_a_time(
+        self,
+        messages: Sequence[model.OutboxMessage],
+        todo: Mapping[int, Encoded],
+        abort: asyncio.Event,
+        still_held: Callable[[], bool],
+    ) -> tuple[Results, set[int]]:
+        """Publish each message alone and wait for its confirm: whatever closes the channel now
+        can only be that message's doing. Also returns the messages it did not write again."""
+        results: Results = {}
+        skipped: set[int] = set()
+        for i, encoded in todo.items():
+            if abort.is_set():
+                results[i] = _ambiguous("the relay is stopping")
+                skipped.add(i)
+                continue
+            try:
+                await self.connect()
+            except errors.BrokerUnavailable as exc:
+                results[i] = _ambiguous(str(exc))
+                continue
+            if not still_held():  # right before writing, after a reconnect that may have waited
+                results[i] = _ambiguous(_NOT_HELD)
+                skipped.add(i)
+                continue
+            assert self._channel is not None
+            clock = _Stopwatch()
+            task = clock.watch(i, _send(self._channel, messages[i], encoded))
+            await _wait_all([task], self._confirm_timeout, abort)
+            error = _channel_error([task])
+            results[i] = clock.time(i, _outcome(task, self._confirm_timeout, abort))
+            if error is not None:
+                results[i] = self._blame(error, messages, [i]).get(i) or _refusal(error)
+            if not self.connected:
+                await self.close()
+        return results, skipped
+
+    def _blame(
+        self,
+        error: aiormq.exceptions.ChannelClosed,
+        messages: Sequence[model.OutboxMessage],
+        suspects: Sequence[int],
+    ) -> Results:
+        """The suspects the broker's reply points at, with their final outcome; {} when it names
+        no exchange and no size (then only publishing them one by one can tell)."""
+        text = str(error)
+        named = _NAMED_EXCHANGE.search(text)
+        size = _SIZE_LIMIT.search(text)
+        if size is not None:
+            self._max_message_size = int(size[1])
+            blamed = [i for i in suspects if len(messages[i].body) > self._max_message_size]
+        elif named is not None and isinstance(
+            error, aiormq.exceptions.ChannelNotFoundEntity | aiormq.exceptions.ChannelAccessRefused
+        ):
+            blamed = [i for i in suspects if messages[i].exchange == named[1]]
+        else:
+            blamed = []
+        return {i: _refusal(error) for i in blamed}
+
+    async def _missing_exchanges(self, names: set[str], abort: asyncio.Event) -> set[str]:
+        """Which of `names` do not exist, by passive declare (the default exchange always does).
+        An exchange that cannot be checked in time (or before `abort`) counts as present: the
+        publish will tell."""
+        now = time.monotonic()
+        missing: set[str] = set()
+
+        async def check() -> None:
+            for name in sorted(n for n in names if n and self._exchanges_seen.get(n, 0) < now):
+                if await self._exchange_exists(name):
+                    self._exchanges_seen[name] = now + self._exchange_ttl
+                else:
+                    missing.add(name)
+
+        checking = asyncio.ensure_future(check())
+        await _wait_all([checking], self._confirm_timeout, abort)
+        if checking.cancelled():
+            log.warning(
+                "exchange check unfinished after %gs or at shutdown; publishing unchecked",
+                self._confirm_timeout,
+            )
+            self._probe = None  # its RPC was abandoned mid-flight; open a fresh one next time
+        return missing
+
+    async def _exchange_exists(self, name: str) -> bool:
+        try:
+            probe = await self._probe_channel()
+            await probe.get_exchange(name, ensure=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            return False
+        except (*_BROKER_ERRORS, RuntimeError) as exc:
+            log.debug("could not check exchange %r: %s", name, _describe(exc))
+        return True
+
+    async def _probe_channel(self) -> aio_pika.abc.AbstractChannel:
+        if self._probe is None or self._probe.is_closed:
+            if self._connection is None:
+                raise aiormq.exceptions.ChannelInvalidStateError("not connected")
+            self._probe = await self._connection.channel(publisher_confirms=False)
+        return self._probe
+
+    async def _write_batch(
+        self,
+        channel: aiormq.abc.AbstractChannel,
+        messages: Sequence[model.OutboxMessage],
+        todo: Mapping[int, Encoded],
+    ) -> list[asyncio.Future[Any]]:
+        """Hand `todo`'s frames to the channel's writer in one payload; one confirm future each."""
+        number = channel.number
+        batch = []
+        for i, encoded in todo.items():
+            message = messages[i]
+            frames = b"".join(
+                (
+                    wire.method(number, message.exchange, message.routing_key, mandatory=True),
+                    wire.on_channel(encoded.header, number),
+                    wire.body(number, message.body, self._frame_max),
+                )
+            )
+            batch.append((str(message.message_id), frames))
+        return await wire.publish(channel, batch)
+
+    def _encode(self, message: model.OutboxMessage) -> Encoded:
+        """The AMQP properties for `message`, checked to encode exactly as stored."""
+        if message.invalid is not None:
+            raise InvalidRow(message.invalid)
+        stored = dict(message.properties)
+        unknown = set(stored) - model.SETTABLE_PROPERTIES
+        if unknown:
+            raise InvalidRow(f"unknown AMQP properties: {', '.join(sorted(unknown))}")
+        for key in _STRING_PROPERTIES:
+            if key in stored and not isinstance(stored[key], str):
+                raise InvalidRow(f"property {key} must be a string")
+        if "user_id" in stored and stored["user_id"] != self._login:
+            raise InvalidRow(
+                "property user_id must equal the relay's RabbitMQ user "
+                "(RabbitMQ closes the channel otherwise)"
+            )
+        headers: dict[str, Any] = dict(message.headers)
+        headers[model.ATTEMPT_HEADER] = message.attempts
+        if message.ordering_key is not None:
+            headers[model.ORDERING_KEY_HEADER] = message.ordering_key
+        if message.seq is not None:
+            headers[model.SEQUENCE_HEADER] = message.seq
+        if message.replays:
+            headers[model.REPLAYS_HEADER] = message.replays
+            headers[model.REPLAYED_FROM_HEADER] = message.replayed_from or ""
+            if message.replayed_at is not None:
+                headers[model.REPLAYED_AT_HEADER] = message.replayed_at.isoformat()
+        try:
+            _check_field_names(headers)
+            properties = commands.Basic.Properties(
+                content_type=stored.get("content_type"),
+                content_encoding=stored.get("content_encoding"),
+                headers=headers,
+                delivery_mode=_whole(stored.get("delivery_mode", 2)),
+                priority=_whole(stored.get("priority")),
+                correlation_id=stored.get("correlation_id"),
+                reply_to=stored.get("reply_to"),
+                expiration=None
+                if "expiration" not in stored
+                else str(_whole(stored["expiration"])),
+                message_id=str(message.message_id),
+                timestamp=message.created_at,
+                message_type=stored.get("type"),
+                user_id=stored.get("user_id"),
+                app_id=stored.get("app_id"),
+            )
+            content_header = frame.marshal(
+                header.ContentHeader(0, len(message.body), properties), 0
+            )
+        except _ENCODING_ERRORS as exc:
+            raise InvalidRow(f"cannot encode as AMQP: {exc}") from None
+        if len(content_header) > self._frame_max:
+            raise InvalidRow(
+                f"headers and properties take {len(content_header)} bytes; "
+                f"the broker's frame_max is {self._frame_max}"
+            )
+        if len(message.exchange) > 127 or not _EXCHANGE_NAME.fullmatch(message.exchange):
+            # What AMQP 0-9-1 allows, and what aio-pika's exchange check can ask about.
+            raise InvalidRow(f"exchange name {message.exchange[:40]!r} is not valid in AMQP")
+        if len(message.routing_key.encode("utf-8")) > 255:
+            raise InvalidRow("the routing key is longer than AMQP's 255 bytes")
+        return Encoded(properties, content_header)
+
+
+class _Stopwatch:
+    """When each publish of a batch started and when its confirm came, for the latency metrics."""
+
+    def __init__(self) -> None:
+        self._started = time.monotonic()
+        self._done: dict[int, tuple[float, float]] = {}
+
+    def watch(self, i: int, sending: Awaitable[Any]) -> asyncio.Future[Any]:
+        task = asyncio.ensure_future(sending)
+        task.add_done_callback(lambda _: self._done.setdefault(i, (time.monotonic(), time.time())))
+        return task
+
+    def time(self, i: int, result: model.PublishResult) -> model.PublishResult:
+        if result.outcome is not Outcome.ACKED or i not in self._done:
+            return result
+        done, wall = self._done[i]
+        return dataclasses.replace(result, seconds=done - self._started, confirmed_at=wall)
+
+
+async def _send(
+    channel: aiormq.abc.AbstractChannel, message: model.OutboxMessage, encoded: Encoded
+) -> Any:
+    """One publish through aiormq's own path (a message alone, or an aiormq `wire` cannot use)."""
+    return await channel.basic_publish(
+        message.body,
+        exchange=message.exchange,
+        routing_key=message.routing_key,
+        properties=encoded.properties,
+        mandatory=True,
+    )
+
+
+async def _wait_all(tasks: list[asyncio.Future[Any]], seconds: float, abort: asyncio.Event) -> None:
+    """Wait until every task is done, `seconds` pass or `abort` is set; cancel the stragglers."""
+    everything = asyncio.ensure_future(asyncio.wait(tasks))
+    aborted = asyncio.ensure_future(abort.wait())
+    try:
+        await asyncio.wait(
+            {everything, aborted}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        everything.cancel()
+        aborted.cancel()
+    pending = [t for t in tasks if not t.done()]
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _outcome(
+    task: asyncio.Future[Any], timeout: float, abort: asyncio.Event
+) -> model.PublishResult:
+    if task.cancelled():
+        why = "the relay is stopping" if abort.is_set() else f"no confirm within {timeout:g}s"
+        return _ambiguous(why)
+    exc = task.exception()
+    if exc is None:
+        return model.PublishResult(Outcome.ACKED)
+    if isinstance(exc, aiormq.exceptions.PublishError):
+        returned = getattr(exc.message, "delivery", None)
+        return model.PublishResult(
+            Outcome.RETURNED,
+            f"returned by the broker: {getattr(returned, 'reply_code', '?')} "
+            f"{getattr(returned, 'reply_text', '?')}",
+        )
+    if isinstance(exc, aiormq.exceptions.DeliveryError):
+        return model.PublishResult(Outcome.NACKED, "the broker nacked the message")
+    if isinstance(exc, _CONNECTION_ERRORS):
+        return _ambiguous(f"connection or channel lost before the confirm: {_describe(exc)}")
+    return model.PublishResult(Outcome.FAILED, f"unexpected error: {_describe(exc)}")
+
+
+def _refusal(error: aiormq.exceptions.ChannelClosed) -> model.PublishResult:
+    """The final outcome of a message the broker closed the channel over."""
+    text = _describe(error)
+    if isinstance(error, aiormq.exceptions.ChannelNotFoundEntity) and "no exchange" in str(error):
+        return model.PublishResult(Outcome.NO_EXCHANGE, text)
+    if isinstance(error, aiormq.exceptions.ChannelAccessRefused):
+        return _rejected(Reason.ACCESS_REFUSED, text)
+    if _SIZE_LIMIT.search(str(error)):
+        return _rejected(Reason.TOO_LARGE, text)
+    return _rejected(Reason.REJECTED, text)
+
+
+def _rejected(reason: model.DeadReason, detail: str) -> model.PublishResult:
+    return model.PublishResult(Outcome.REJECTED, detail, reason=reason)
+
+
+def _ambiguous(detail: str, resent: bool = False) -> model.PublishResult:
+    return model.PublishResult(Outcome.AMBIGUOUS, detail, resent=resent)
+
+
+_NOT_HELD = "not written: the relay can no longer be sure it holds the lease"
+
+
+def _always() -> bool:
+    return True
+
+
+def _not_held(round_: int) -> model.PublishResult:
+    """A message not written because the lease may be gone: UNSENT if it never was, else
+    AMBIGUOUS (an earlier write may have arrived; twice written from the third round on)."""
+    if round_ == 0:
+        return model.PublishResult(Outcome.UNSENT, _NOT_HELD)
+    return _ambiguous(f"{_NOT_HELD} again", resent=round_ >= 2)
+
+
+def _channel_error(tasks: Any) -> aiormq.exceptions.ChannelClosed | None:
+    """The broker's channel-close error among the tasks' failures, if it closed the channel."""
+    for task in tasks:
+        if not task.cancelled() and isinstance(task.exception(), aiormq.exceptions.ChannelClosed):
+            return task.exception()  # type: ignore[no-any-return]
+    return None
+
+
+def _any_error(tasks: Mapping[int, asyncio.Future[Any]]) -> BaseException:
+    for task in tasks.values():
+        if not task.cancelled() and task.exception() is not None:
+            return task.exception()  # type: ignore[return-value]
+    return RuntimeError("unknown reason")
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _whole(value: Any) -> int | None:
+    """An integer property from JSON (where 2 may arrive as 2.0 or "2")."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise InvalidRow(f"expected a whole number, got {value!r}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise InvalidRow(f"expected a whole number, got {value!r}") from None
+    if not number.is_integer():
+        raise InvalidRow(f"expected a whole number, got {value!r}")
+    return int(number)
+
+
+def _check_field_names(value: Any) -> None:
+    """AMQP field names are at most 128 bytes; pamqp would silently truncate longer ones."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if len(key.encode("utf-8")) > 128:
+                raise InvalidRow(f"header name {key[:40]!r}… is longer than AMQP's 128 bytes")
+            _check_field_names(item)
+    elif isinstance(value, list):
+        for item in value:
+            _check_field_names(item)
+
+
+def _frame_max(connection: aio_pika.abc.AbstractConnection) -> int:
+    tune = getattr(_aiormq_connection(connection), "connection_tune", None)
+    frame_max = getattr(tune, "frame_max", 0)
+    return frame_max if isinstance(frame_max, int) and frame_max > 0 else 131072
+
+
+def _unblocked_event(connection: aio_pika.abc.AbstractConnection) -> asyncio.Event | None:
+    """aiormq tracks connection.blocked/unblocked in a private event and offers no public view of
+    it; we read it (None if a future aiormq moves it, and the relay says so at connect)."""
+    event = getattr(_aiormq_connection(connection), "_Connection__connection_unblocked", None)
+    return event if isinstance(event, asyncio.Event) else None
+
+
+def _aiormq_connection(connection: aio_pika.abc.AbstractConnection) -> Any:
+    return getattr(getattr(connection, "transport", None), "connection", None)

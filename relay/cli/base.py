@@ -1,0 +1,122 @@
+"""What every `outbox-relay` command shares: settings as flags, one-line errors, admin sessions."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn, TypeVar
+
+import click
+from click.exceptions import NoArgsIsHelpError
+
+from relay.core import config, errors
+from relay.postgres import admin
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+CONNECTION = ("database_url", "amqp_url", "db_schema")
+RELAY_KNOBS = (
+    "amqp_ca_file",
+    "amqp_cert_file",
+    "amqp_key_file",
+    "batch_size",
+    "batch_max_bytes",
+    "poll_interval",
+    "lease",
+    "confirm_timeout",
+    "max_attempts",
+    "max_ambiguous",
+    "retry_delay",
+    "retry_max_delay",
+    "shutdown_timeout",
+    "startup_timeout",
+    "relay_name",
+    "log_level",
+    "log_format",
+    "event_loop",
+    "synchronous_commit",
+    "metrics_host",
+    "metrics_port",
+    "stats_interval",
+    "xmin_warning",
+    "archive_retention",
+    "archive_prune_interval",
+    "key_retention",
+)
+
+
+def flag(field: str) -> str:
+    """The command-line flag of a setting: OUTBOX_BATCH_SIZE → --batch-size."""
+    return "--" + config.env_name(field).removeprefix("OUTBOX_").lower().replace("_", "-")
+
+
+def settings_options(*fields: str) -> Callable[[F], F]:
+    """Add one flag per setting; a flag wins over its environment variable."""
+
+    def decorate(command: F) -> F:
+        for field in reversed(fields):
+            info = (
+                config.Settings.model_fields.get(field)
+                or config.PipelineSettings.model_fields[field]
+            )
+            command = click.option(
+                flag(field),
+                field,
+                default=None,
+                metavar="VALUE",
+                help=f"{info.description} [env: {config.env_name(field)}]",
+            )(command)
+        return command
+
+    return decorate
+
+
+def fail_cleanly(command: F) -> F:
+    """Expected failures print one line on stderr and exit non-zero: 2 for bad settings, 1 else."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except (errors.ConfigError, errors.InvalidArgument) as exc:
+            die(str(exc), 2)
+        except errors.RelayError as exc:
+            die(str(exc), 1)
+        except KeyboardInterrupt:
+            die("interrupted", 130)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def die(message: str, code: int) -> NoReturn:
+    click.echo(f"outbox-relay: error: {config.redact_secrets(message)}", err=True)
+    sys.exit(code)
+
+
+class Group(click.Group):
+    """A command group whose usage errors (bad option, bad value) are one line too."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["standalone_mode"] = False
+        try:
+            result = super().main(*args, **kwargs)
+        except NoArgsIsHelpError as exc:  # a bare group: its help, as click shows it
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.UsageError as exc:
+            die(exc.format_message().replace("\n", " "), exc.exit_code)
+        except click.Abort:
+            die("aborted", 1)
+        except click.ClickException as exc:
+            die(exc.format_message(), exc.exit_code)
+        sys.exit(result if isinstance(result, int) else 0)
+
+
+@contextlib.contextmanager
+def operator(flags: dict[str, Any]) -> Iterator[admin.Admin]:
+    """An admin session on the database the settings name."""
+    settings = config.load(**flags)
+    with admin.Admin.connect(settings.database_url.get_secret_value(), settings.db_schema) as ops:
+        yield ops

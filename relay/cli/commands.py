@@ -1,0 +1,322 @@
+"""The `outbox-relay` command line: a thin layer over the composition root, migrations and demo."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import sys
+from datetime import UTC, datetime
+from typing import Any
+
+import click
+
+from relay import __version__, app
+from relay.cli import dead as cli_dead
+from relay.cli import demo
+from relay.cli import lane as cli_lane
+from relay.cli import pipeline as cli_pipeline
+from relay.cli import top as live
+from relay.cli.base import (
+    CONNECTION,
+    RELAY_KNOBS,
+    Group,
+    fail_cleanly,
+    flag,
+    operator,
+    settings_options,
+)
+from relay.core import config, errors, eventloop, logs
+from relay.postgres import admin
+from relay.postgres import migrate as migrations
+from relay.postgres import roles as access
+
+__all__ = ["CONNECTION", "RELAY_KNOBS", "flag", "main"]
+
+
+@click.group(
+    cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}
+)
+@click.version_option(__version__, prog_name="outbox-relay")
+def main() -> None:
+    """Relay committed outbox rows from PostgreSQL to RabbitMQ, with publisher confirms.
+
+    Every setting is an OUTBOX_* environment variable and also a flag; flags win.
+    Prefer the environment for URLs with passwords: flags show up in `ps`."""
+
+
+@main.command()
+@settings_options("database_url", "db_schema", "log_level")
+@fail_cleanly
+def migrate(**flags: Any) -> None:
+    """Create or upgrade the outbox schema (idempotent; safe when several run at once)."""
+    settings = config.load(**flags)
+    logs.configure(settings.log_level, settings.log_format)
+    result = migrations.migrate(settings.database_url.get_secret_value(), settings.db_schema)
+    if result.applied:
+        names = ", ".join(m.label for m in result.applied)
+        click.echo(f'applied {names}; schema "{settings.db_schema}" is at version {result.version}')
+    else:
+        click.echo(f'schema "{settings.db_schema}" is up to date (version {result.version})')
+
+
+@main.command()
+@settings_options("database_url", "db_schema", "log_level")
+@fail_cleanly
+def roles(**flags: Any) -> None:
+    """Create the schema's producer, relay and operator roles and grant each only what its job
+    needs (idempotent; run as the schema's owner with CREATEROLE, after `migrate`).
+
+    The roles cannot log in: grant them to your users, e.g. GRANT outbox_producer TO app;"""
+    settings = config.load(**flags)
+    logs.configure(settings.log_level, settings.log_format)
+    made = access.ensure(settings.database_url.get_secret_value(), settings.db_schema)
+    jobs = {
+        made.producer: "enqueue only",
+        made.relay: "claim, publish, settle, archive, dead-letter",
+        made.operator: "dead letters, archive, keys, stats, pipeline",
+    }
+    for name, job in jobs.items():
+        state = "created" if name in made.created else "exists"
+        click.echo(f"{name:<24} {state:<8} {job}")
+    click.echo(f"grants applied; give them to login roles: GRANT {made.producer} TO <user>;")
+
+
+@main.command()
+@settings_options(*CONNECTION, *RELAY_KNOBS)
+@click.option(
+    "--until-empty",
+    is_flag=True,
+    help="Exit once no row is due instead of waiting for more (drain mode).",
+)
+@fail_cleanly
+def run(until_empty: bool, **flags: Any) -> None:
+    """Run one relay until SIGINT/SIGTERM, then finish the batch in flight and exit 0."""
+    settings = config.load(**flags)
+    logs.configure(settings.log_level, settings.log_format)
+    eventloop.run(app.run(settings, until_empty=until_empty), settings.event_loop)
+
+
+@main.command()
+@settings_options("database_url", "db_schema")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@fail_cleanly
+def stats(as_json: bool, **flags: Any) -> None:
+    """Pending, in-flight, archived and dead counts, and the oldest pending message's age."""
+    settings = config.load(**flags)
+    snapshot = asyncio.run(app.stats(settings))
+    if as_json:
+        click.echo(json.dumps(dataclasses.asdict(snapshot), sort_keys=True))
+        return
+    age = snapshot.oldest_pending_age_seconds
+    reasons = ", ".join(f"{k} {v}" for k, v in snapshot.dead_by_reason.items())
+    seen = snapshot.observation
+    rows = [
+        (
+            "pending",
+            f"{snapshot.pending}  (due {snapshot.due}, scheduled {snapshot.scheduled}"
+            f"{f', gated {seen.gated}' if seen else ''})",
+        ),
+        ("in flight", str(snapshot.in_flight)),
+        ("oldest pending", "-" if age is None else f"{age:.1f}s"),
+        ("archived", str(snapshot.archived)),
+        ("dead", f"{snapshot.dead}" + (f"  ({reasons})" if reasons else "")),
+        ("blocked keys", str(snapshot.blocked_keys)),
+    ]
+    if seen is not None:
+        rows += [
+            (
+                "dead tuples",
+                f"{seen.dead_tuples}  (last autovacuum {_when(seen.last_autovacuum)})"
+                + ("" if seen.autovacuum_on else "  AUTOVACUUM OFF"),
+            ),
+            (
+                "vacuum horizon",
+                "free"
+                if seen.xmin_seconds is None
+                else f"held {seen.xmin_seconds:.0f}s by pid {seen.xmin_pid} ({seen.xmin_state})",
+            ),
+        ]
+    for label, value in rows:
+        click.echo(f"{label:<15} {value}")
+
+
+def _when(unix: float | None) -> str:
+    return (
+        "never" if unix is None else datetime.fromtimestamp(unix, UTC).isoformat(timespec="seconds")
+    )
+
+
+@main.command()
+@settings_options("database_url", "db_schema")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=1.0,
+    show_default=True,
+    help="Seconds between refreshes.",
+)
+@click.option("--once", is_flag=True, help="Print one frame and exit.")
+@click.option(
+    "--svg",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Also save the last frame as an SVG picture.",
+)
+@fail_cleanly
+def top(interval: float, once: bool, svg: str | None, **flags: Any) -> None:
+    """The outbox live: rates, backlog, the longest wait, dead letters, database health."""
+    settings = config.load(**flags)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(live.run(settings, interval=interval, once=once, svg=svg))
+
+
+@main.command(name="demo")
+@settings_options(*CONNECTION, *RELAY_KNOBS)
+@click.option(
+    "--count",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Stop after this many committed messages arrived (default: run until Ctrl-C).",
+)
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0),
+    default=1.0,
+    show_default=True,
+    help="Seconds between sample transactions.",
+)
+@fail_cleanly
+def demo_command(count: int | None, interval: float, **flags: Any) -> None:
+    """Migrate, then enqueue sample orders and print them as a consumer receives them."""
+    settings = config.load(**flags)
+    logs.configure(settings.log_level, settings.log_format)
+    ok = eventloop.run(
+        demo.run(settings, count=count, interval=interval, echo=click.echo), settings.event_loop
+    )
+    sys.exit(0 if ok else 1)
+
+
+@main.group()
+def keys() -> None:
+    """Ordering keys: blocked keys, releasing them, and per-prefix policies."""
+
+
+@keys.command(name="blocked")
+@settings_options("database_url", "db_schema")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per key.")
+@fail_cleanly
+def keys_blocked(as_json: bool, **flags: Any) -> None:
+    """Keys held because one of their messages was dead-lettered (policy 'block')."""
+    with operator(flags) as ops:
+        blocked = ops.blocked_keys()
+    for key in blocked:
+        if as_json:
+            click.echo(json.dumps(dataclasses.asdict(key), default=str, sort_keys=True))
+        else:
+            click.echo(
+                f"{key.ordering_key}  seq {key.seq} dead ({key.reason}) since "
+                f"{key.blocked_at:%Y-%m-%d %H:%M:%S%z}, {key.waiting} waiting, "
+                f"message_id {key.message_id}"
+            )
+    if not blocked and not as_json:
+        click.echo("no blocked keys")
+
+
+@keys.command(name="release")
+@click.argument("ordering_key")
+@click.option(
+    "--replay",
+    is_flag=True,
+    help="Put the dead message back in its place (sent first) instead of skipping it.",
+)
+@settings_options("database_url", "db_schema")
+@fail_cleanly
+def keys_release(ordering_key: str, replay: bool, **flags: Any) -> None:
+    """Let a blocked key go on."""
+    with operator(flags) as ops:
+        if not ops.release_key(ordering_key, replay=replay):
+            raise errors.InvalidArgument(f"key {ordering_key!r} is not blocked")
+    what = "its dead message goes first" if replay else "skipping its dead message"
+    click.echo(f"released {ordering_key!r}: {what}")
+
+
+@keys.group(name="policy")
+def keys_policy() -> None:
+    """Per-prefix policies: on dead letter block or skip, concurrency, minimum interval."""
+
+
+@keys_policy.command(name="list")
+@settings_options("database_url", "db_schema")
+@fail_cleanly
+def keys_policy_list(**flags: Any) -> None:
+    """Every policy ('' is the default for all keys)."""
+    with operator(flags) as ops:
+        for policy in ops.policies():
+            _echo_policy(policy)
+
+
+@keys_policy.command(name="set")
+@click.argument("prefix")
+@click.option(
+    "--on-dead",
+    type=click.Choice(["block", "skip"]),
+    default=None,
+    help="When a message of a key is dead-lettered: hold the key, or go on.",
+)
+@click.option(
+    "--concurrency",
+    type=int,
+    default=None,
+    help="How many messages of a key may be in flight at once (1 keeps order).",
+)
+@click.option(
+    "--min-interval",
+    default=None,
+    metavar="DURATION",
+    help="Least time between releases of a key's messages (e.g. 200ms, 1s).",
+)
+@settings_options("database_url", "db_schema")
+@fail_cleanly
+def keys_policy_set(
+    prefix: str,
+    on_dead: admin.OnDead | None,
+    concurrency: int | None,
+    min_interval: str | None,
+    **flags: Any,
+) -> None:
+    """Create or change the policy of keys starting with PREFIX ('' for the default)."""
+    try:
+        interval = None if min_interval is None else config.parse_duration(min_interval)
+    except ValueError as exc:
+        raise errors.InvalidArgument(f"--min-interval: {exc}") from None
+    with operator(flags) as ops:
+        _echo_policy(
+            ops.set_policy(prefix, on_dead=on_dead, concurrency=concurrency, min_interval=interval)
+        )
+
+
+@keys_policy.command(name="delete")
+@click.argument("prefix")
+@settings_options("database_url", "db_schema")
+@fail_cleanly
+def keys_policy_delete(prefix: str, **flags: Any) -> None:
+    """Remove the policy of PREFIX (keys fall back to a shorter prefix, or the default)."""
+    with operator(flags) as ops:
+        if not ops.delete_policy(prefix):
+            raise errors.InvalidArgument(f"no policy for prefix {prefix!r} (the default stays)")
+    click.echo(f"deleted the policy of {prefix!r}")
+
+
+def _echo_policy(policy: admin.KeyPolicy) -> None:
+    click.echo(
+        f"{policy.prefix!r:<24} on dead: {policy.on_dead:<5}  concurrency: "
+        f"{policy.concurrency:<4}  min interval: {policy.min_interval:g}s"
+    )
+
+
+main.add_command(cli_dead.dead)
+main.add_command(cli_dead.archive)
+main.add_command(cli_pipeline.pipeline)
+main.add_command(cli_lane.lane)

@@ -1,0 +1,422 @@
+"""`outbox-relay dead …` and `archive …`: a thin layer over the dead-letter and archive API."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from relay.cli.base import die, fail_cleanly, operator, settings_options
+from relay.core import config, errors, model, render
+from relay.core.filters import DeadFilter
+from relay.postgres import admin
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+DATABASE = ("database_url", "db_schema")
+#: How much of a body `dead show` prints unless --full.
+BODY_PREVIEW = 2000
+#: How many rows a dry run lists.
+DRY_RUN_ROWS = 20
+
+
+def dead_filters(command: F) -> F:
+    """The options every dead-letter command selects rows with; all of them must match."""
+    options = [
+        click.option(
+            "--reason",
+            "reasons",
+            multiple=True,
+            type=click.Choice([r.value for r in model.DeadReason]),
+            help="Why it died (repeat for several).",
+        ),
+        click.option("--exchange", default=None, help="Its exchange, exactly."),
+        click.option(
+            "--routing-key", default=None, metavar="GLOB", help="Its routing key (* and ?)."
+        ),
+        click.option("--key", default=None, metavar="GLOB", help="Its ordering key (* and ?)."),
+        click.option(
+            "--since", default=None, metavar="WHEN", help="Died at or after: a time, or 2h, 7d ago."
+        ),
+        click.option("--until", default=None, metavar="WHEN", help="Died before: the same."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _where(
+    ids: Sequence[str] = (),
+    *,
+    reasons: Sequence[str],
+    exchange: str | None,
+    routing_key: str | None,
+    key: str | None,
+    since: str | None,
+    until: str | None,
+) -> DeadFilter:
+    return DeadFilter.build(
+        message_ids=ids,
+        reasons=reasons,
+        exchange=exchange,
+        routing_key=routing_key,
+        key=key,
+        since=since,
+        until=until,
+    )
+
+
+def _split(flags: dict[str, Any]) -> dict[str, Any]:
+    """Take the filter options out of a command's keyword arguments (the rest are settings)."""
+    names = ("reasons", "exchange", "routing_key", "key", "since", "until")
+    return {name: flags.pop(name) for name in names}
+
+
+@click.group()
+def dead() -> None:
+    """Dead letters: list, show, stats, replay, purge."""
+
+
+@dead.command(name="list")
+@dead_filters
+@click.option("--limit", type=click.IntRange(1, 100_000), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON array.")
+@click.option("--jsonl", "as_jsonl", is_flag=True, help="Print one JSON object per line.")
+@settings_options(*DATABASE)
+@fail_cleanly
+def dead_list(limit: int, as_json: bool, as_jsonl: bool, **flags: Any) -> None:
+    """Dead letters, oldest failure first."""
+    if as_json and as_jsonl:
+        raise errors.InvalidArgument("--json and --jsonl exclude each other")
+    where = _where(**_split(flags))
+    with operator(flags) as ops:
+        rows = ops.dead_list(where, limit)
+        more = ops.dead_count(where) - len(rows) if len(rows) == limit else 0
+    if as_json:
+        click.echo(json.dumps([_record(r) for r in rows], indent=2, sort_keys=True))
+    elif as_jsonl:
+        for row in rows:
+            click.echo(json.dumps(_record(row), sort_keys=True))
+    elif rows:
+        _table(rows)
+        if more:
+            click.echo(f"… and {more:,} more (raise --limit, or narrow the filter)")
+    else:
+        click.echo("no dead letters match")
+
+
+@dead.command(name="show")
+@click.argument("message_id")
+@click.option("--full", is_flag=True, help=f"The whole body (else its first {BODY_PREVIEW:,}).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@settings_options(*DATABASE)
+@fail_cleanly
+def dead_show(message_id: str, full: bool, as_json: bool, **flags: Any) -> None:
+    """One dead letter in full: why it died, its headers, properties and body."""
+    (wanted,) = DeadFilter.build(message_ids=[message_id]).message_ids or ()
+    with operator(flags) as ops:
+        message = ops.dead_get(wanted)
+    if message is None:
+        raise errors.RelayError(f"no dead letter with message_id {wanted}")
+    body = render.body(message.body, None if full else BODY_PREVIEW)
+    record = _record(message) | {"body": dataclasses.asdict(body)}
+    if as_json:
+        click.echo(json.dumps(record, indent=2, sort_keys=True))
+        return
+    for name in (
+        "message_id",
+        "reason",
+        "detail",
+        "failed_at",
+        "created_at",
+        "exchange",
+        "routing_key",
+        "ordering_key",
+        "seq",
+        "attempts",
+        "ambiguous",
+        "replays",
+        "replayed_at",
+        "replayed_from",
+    ):
+        click.echo(f"{name:<14} {render.printable(_show(getattr(message, name)))}")
+    for name in ("headers", "properties"):
+        click.echo(f"{name:<14} {render.printable(json.dumps(record[name], sort_keys=True))}")
+    click.echo(f"body           {body.bytes:,} bytes, shown as {body.encoding}")
+    click.echo(body.text)
+    if body.truncated:
+        click.echo(f"… truncated at {BODY_PREVIEW:,} characters: --full shows it all")
+
+
+@dead.command(name="stats")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON array.")
+@settings_options(*DATABASE)
+@fail_cleanly
+def dead_stats(as_json: bool, **flags: Any) -> None:
+    """Dead letters grouped by reason and exchange."""
+    with operator(flags) as ops:
+        groups = ops.dead_stats()
+    if as_json:
+        click.echo(json.dumps([_record(g) for g in groups], indent=2, sort_keys=True))
+        return
+    if not groups:
+        click.echo("no dead letters")
+        return
+    table = Table("reason", "exchange", "count", "first", "last", box=None)
+    for g in groups:
+        table.add_row(g.reason, Text(g.exchange), f"{g.count:,}", _show(g.first), _show(g.last))
+    table.add_row("[b]total", "", f"[b]{sum(g.count for g in groups):,}", "", "")
+    _console().print(table)
+
+
+@dead.command(name="replay")
+@click.argument("message_ids", nargs=-1)
+@dead_filters
+@click.option("--all", "everything", is_flag=True, help="Needed to replay every dead letter.")
+@click.option("--to-exchange", default=None, help="Send them to this exchange instead.")
+@click.option("--to-routing-key", default=None, help="Send them with this routing key instead.")
+@click.option("--dry-run", is_flag=True, help="Print what would move, and move nothing.")
+@click.option(
+    "--batch",
+    type=click.IntRange(1, 100_000),
+    default=500,
+    show_default=True,
+    help="Rows per transaction.",
+)
+@settings_options(*DATABASE)
+@fail_cleanly
+def dead_replay(
+    message_ids: tuple[str, ...],
+    everything: bool,
+    to_exchange: str | None,
+    to_routing_key: str | None,
+    dry_run: bool,
+    batch: int,
+    **flags: Any,
+) -> None:
+    """Put dead letters (by MESSAGE_IDS, or by filter) back in the outbox to be sent again.
+
+    Each keeps its message_id, starts again at attempt 1, and is sent with x-outbox-replays,
+    x-outbox-replayed-at and x-outbox-replayed-from headers. Batches are transactions: if
+    interrupted, run the same command again; no message moves twice."""
+    where = _where(message_ids, **_split(flags))
+    _needs_all(where, everything, dry_run, "replay")
+    with operator(flags) as ops:
+        count = ops.dead_count(where)
+        if dry_run or not count:
+            _dry_run(ops, where, count, "replay", _target(to_exchange, to_routing_key))
+            return
+        with _progress("replaying", count) as advance:
+            moved = ops.dead_replay(
+                where,
+                to_exchange=to_exchange,
+                to_routing_key=to_routing_key,
+                batch=batch,
+                progress=advance,
+            )
+    left = (
+        f"; {count - moved:,} left in dead (already waiting in the outbox)" if moved < count else ""
+    )
+    click.echo(f"replayed {moved:,} dead letters{_target(to_exchange, to_routing_key)}{left}")
+
+
+@dead.command(name="purge")
+@click.argument("message_ids", nargs=-1)
+@dead_filters
+@click.option("--all", "everything", is_flag=True, help="Needed to purge every dead letter.")
+@click.option("--dry-run", is_flag=True, help="Print what would go, and delete nothing.")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.option(
+    "--batch",
+    type=click.IntRange(1, 100_000),
+    default=1000,
+    show_default=True,
+    help="Rows per transaction.",
+)
+@settings_options(*DATABASE)
+@fail_cleanly
+def dead_purge(
+    message_ids: tuple[str, ...],
+    everything: bool,
+    dry_run: bool,
+    yes: bool,
+    batch: int,
+    **flags: Any,
+) -> None:
+    """Delete dead letters (by MESSAGE_IDS, or by filter) for good."""
+    where = _where(message_ids, **_split(flags))
+    _needs_all(where, everything, dry_run, "purge")
+    with operator(flags) as ops:
+        count = ops.dead_count(where)
+        if dry_run or not count:
+            _dry_run(ops, where, count, "purge", "")
+            return
+        if not yes:
+            click.confirm(f"delete {count:,} dead letters for good?", abort=True, err=True)
+        with _progress("purging", count) as advance:
+            purged = ops.dead_purge(where, batch=batch, progress=advance)
+    click.echo(f"purged {purged:,} dead letters")
+
+
+@click.group()
+def archive() -> None:
+    """The archive of published messages: stats and retention."""
+
+
+@archive.command(name="stats")
+@click.option("--exact", is_flag=True, help="Count rows exactly (reads the whole table).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@settings_options(*DATABASE)
+@fail_cleanly
+def archive_stats(exact: bool, as_json: bool, **flags: Any) -> None:
+    """Rows, size on disk, oldest and newest publish time."""
+    with operator(flags) as ops:
+        stats = ops.archive_stats(exact=exact)
+    if as_json:
+        click.echo(json.dumps(_record(stats), sort_keys=True))
+        return
+    rows = f"{stats.exact_rows:,}" if stats.exact_rows is not None else f"≈{stats.estimated_rows:,}"
+    click.echo(f"rows    {rows}")
+    click.echo(f"size    {stats.bytes / 2**20:,.1f} MiB")
+    click.echo(f"oldest  {_show(stats.oldest)}")
+    click.echo(f"newest  {_show(stats.newest)}")
+
+
+@archive.command(name="prune")
+@click.option(
+    "--older-than",
+    required=True,
+    metavar="DURATION",
+    help="Delete rows published longer ago than this (e.g. 7d, 12h).",
+)
+@click.option(
+    "--batch",
+    type=click.IntRange(1, 100_000),
+    default=1000,
+    show_default=True,
+    help="Rows per transaction.",
+)
+@click.option("--dry-run", is_flag=True, help="Print how many rows would go, and delete nothing.")
+@settings_options(*DATABASE)
+@fail_cleanly
+def archive_prune(older_than: str, batch: int, dry_run: bool, **flags: Any) -> None:
+    """Delete old archived rows in small paced batches (safe while relays run)."""
+    try:
+        age = timedelta(seconds=config.parse_duration(older_than))
+    except ValueError as exc:
+        raise errors.InvalidArgument(f"--older-than: {exc}") from None
+    with operator(flags) as ops:
+        if dry_run:
+            count = ops.archive_count_older(age)
+            click.echo(f"would delete {count:,} archived rows published before {_ago(age)}")
+            return
+        with _progress("pruning", None) as advance:
+            deleted = ops.archive_prune(age, batch=batch, progress=advance)
+    if deleted is None:
+        raise errors.RelayError("another prune is running (a relay or an operator); try later")
+    click.echo(f"deleted {deleted:,} archived rows published before {_ago(age)}")
+
+
+def _needs_all(where: DeadFilter, everything: bool, dry_run: bool, verb: str) -> None:
+    if where.is_everything and not everything and not dry_run:
+        raise errors.InvalidArgument(
+            f"{verb} needs message ids, a filter, or --all for every dead letter"
+        )
+
+
+def _dry_run(ops: admin.Admin, where: DeadFilter, count: int, verb: str, target: str) -> None:
+    if not count:
+        click.echo("no dead letters match")
+        return
+    click.echo(f"would {verb} {count:,} dead letters{target}:")
+    _table(ops.dead_list(where, DRY_RUN_ROWS))
+    if count > DRY_RUN_ROWS:
+        click.echo(f"… and {count - DRY_RUN_ROWS:,} more")
+
+
+def _target(exchange: str | None, routing_key: str | None) -> str:
+    parts = [f"exchange {exchange!r}"] * (exchange is not None)
+    parts += [f"routing key {routing_key!r}"] * (routing_key is not None)
+    return f" to {' and '.join(parts)}" if parts else ""
+
+
+@contextmanager
+def _progress(verb: str, total: int | None) -> Iterator[Callable[[int], None]]:
+    """A progress bar on stderr when it is a terminal; on interrupt, how far it got."""
+    done = 0
+    console = Console(stderr=True)
+    columns = [TextColumn(verb), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with Progress(*columns, console=console, disable=not console.is_terminal) as bar:
+        task = bar.add_task(verb, total=total)
+
+        def advance(n: int) -> None:
+            nonlocal done
+            done += n
+            bar.advance(task, n)
+
+        try:
+            yield advance
+        except KeyboardInterrupt:
+            die(
+                f"interrupted after {verb} {done:,} rows; each batch is a transaction, "
+                "so running the same command again goes on from there",
+                130,
+            )
+
+
+def _table(rows: Sequence[admin.DeadRow]) -> None:
+    table = Table(
+        "message_id", "failed_at", "reason", "exchange", "routing_key", "key/seq", "tries", "detail"
+    )
+    for r in rows:
+        key = "" if r.ordering_key is None else f"{r.ordering_key}/{r.seq}"
+        table.add_row(
+            str(r.message_id),
+            _show(r.failed_at),
+            r.reason,
+            Text(render.printable(r.exchange)),
+            Text(render.printable(r.routing_key)),
+            Text(render.printable(key)),
+            f"{r.attempts}" + (f" (replayed {r.replays})" if r.replays else ""),
+            Text(render.printable(r.detail), overflow="ellipsis", no_wrap=True),
+        )
+    _console().print(table)
+
+
+def _console() -> Console:
+    """Stdout, as wide as the terminal, or wide enough not to fold rows into a pipe."""
+    probe = Console()
+    return probe if probe.is_terminal else Console(width=240)
+
+
+def _record(item: Any) -> dict[str, Any]:
+    """A dataclass as JSON-ready values (times in ISO 8601 UTC, ids as text, bytes left out)."""
+    return {k: _json(v) for k, v in dataclasses.asdict(item).items() if not isinstance(v, bytes)}
+
+
+def _json(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.astimezone(UTC).isoformat()
+    return value if isinstance(value, int | str | dict | list | None) else str(value)
+
+
+def _show(value: Any) -> str:
+    """A value for people: times in UTC to the second, nothing as '-'."""
+    if value is None:
+        return "-"
+    if isinstance(value, datetime):
+        return value.astimezone(UTC).isoformat(timespec="seconds")
+    return str(value)
+
+
+def _ago(age: timedelta) -> str:
+    return _show(datetime.now(UTC) - age)

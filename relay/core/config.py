@@ -1,0 +1,399 @@
+"""Frozen relay settings read from OUTBOX_* environment variables and command-line flags."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from typing import Annotated, Any, TypeVar
+from urllib.parse import urlsplit
+
+import pydantic
+from pydantic import BeforeValidator, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from relay.core import errors
+
+#: An unquoted-style SQL identifier. We always double-quote it too (belt and braces); the length
+#: limit keeps the derived NOTIFY channel names (`<schema>_new`) within PostgreSQL's 63-byte limit.
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,58}")
+_DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*")
+_URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)\S*@")
+#: libpq's key/value form (`password=…`, quoted or not) and a URL's `password=` parameter; also
+#: `sslpassword`, the client key's passphrase.
+_KEYWORD_PASSWORD = re.compile(
+    r"(\b(?:ssl)?password\s*=\s*)(?:'(?:[^'\\]|\\.)*'|[^\s&'#]+)", re.IGNORECASE
+)
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def check_identifier(name: str) -> str:
+    """Return `name` if it is a safe schema name, else raise ConfigError saying why."""
+    if not _IDENTIFIER.fullmatch(name):
+        raise errors.ConfigError(
+            f"invalid schema name {name!r}: use letters, digits and underscores, "
+            "starting with a letter or underscore, at most 59 characters"
+        )
+    if name.lower().startswith("pg_"):
+        raise errors.ConfigError(f"invalid schema name {name!r}: the pg_ prefix is reserved")
+    return name
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from a number or a string such as `250ms`, `30s`, `5m`, `2h`, `7d`."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    match = _DURATION.fullmatch(str(value))
+    if match is None:
+        raise ValueError(f"not a duration: {value!r} (examples: 1.5, 250ms, 30s, 5m, 2h, 7d)")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced by `***`, for logs and error messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return parts._replace(netloc=netloc).geturl()
+
+
+def redact_secrets(text: str) -> str:
+    """`text` with every password in it replaced by `***`: a URL's (`scheme://user:pw@`, or its
+    `?password=` parameter) and libpq's key/value form (`password=pw`, `password = 'p w'`)."""
+    return _KEYWORD_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", text))
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration)]
+
+#: Settings that may also come from a file named by OUTBOX_<NAME>_FILE.
+SECRETS = ("database_url", "amqp_url")
+
+
+def _default_relay_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class _Database(BaseSettings):
+    """The settings every command that talks to the outbox database shares."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="OUTBOX_", frozen=True, populate_by_name=True, extra="forbid"
+    )
+
+    database_url: SecretStr = Field(
+        SecretStr("postgresql://postgres@127.0.0.1:5432/postgres"),
+        description="PostgreSQL connection URL (libpq syntax; `sslmode` etc. as query parameters).",
+    )
+    db_schema: str = Field(
+        "outbox",
+        validation_alias="OUTBOX_SCHEMA",
+        description="PostgreSQL schema holding the outbox tables and functions.",
+    )
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _secrets_from_files(cls, data: Any) -> Any:
+        """`OUTBOX_<SECRET>_FILE` names a file holding the secret (a Kubernetes or Docker secret),
+        so it need not sit in the environment, where `ps e` and crash dumps can show it."""
+        if not isinstance(data, dict):
+            return data
+        for field in SECRETS:
+            if field not in cls.model_fields:
+                continue
+            variable = f"{env_name(field)}_FILE"
+            path = os.environ.get(variable)
+            if path is None:
+                continue
+            if data.get(field) is not None:
+                raise ValueError(f"set {env_name(field)} or {variable}, not both")
+            try:
+                with open(path, encoding="utf-8") as secret:
+                    data = {**data, field: secret.read().strip()}
+            except (OSError, UnicodeDecodeError) as exc:
+                reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+                raise ValueError(f"cannot read {variable} ({path}): {reason}") from None
+        return data
+
+    @field_validator("db_schema")
+    @classmethod
+    def _schema_is_identifier(cls, value: str) -> str:
+        try:
+            return check_identifier(value)
+        except errors.ConfigError as exc:
+            raise ValueError(str(exc)) from None
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_url_scheme(cls, value: SecretStr) -> SecretStr:
+        return _check_scheme(value, ("postgresql", "postgres"))
+
+
+class Settings(_Database):
+    """Every knob of the relay. Field descriptions are the README's settings table."""
+
+    amqp_url: SecretStr = Field(
+        SecretStr("amqp://guest:guest@127.0.0.1:5672/"),
+        description="RabbitMQ connection URL (`amqp://` or `amqps://`).",
+    )
+    amqp_ca_file: str | None = Field(
+        None,
+        description="CA bundle (PEM) that signs the broker's certificate, for `amqps://`; "
+        "unset: the system's trust store. The broker's host name is always verified.",
+    )
+    amqp_cert_file: str | None = Field(
+        None,
+        description="Client certificate (PEM) for brokers that require one (`amqps://`).",
+    )
+    amqp_key_file: str | None = Field(
+        None,
+        description="Private key (PEM) of the client certificate, if not in that file.",
+    )
+    batch_size: int = Field(500, ge=1, le=10_000, description="Rows claimed per batch.")
+    batch_max_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1024,
+        le=2**31 - 1,
+        description="A claimed batch stops growing at this many bytes of bodies, headers and "
+        "properties (at least one message is taken); the relay holds at most two batches.",
+    )
+    poll_interval: Duration = Field(
+        1.0, gt=0, description="Longest wait between claims when no NOTIFY arrives (seconds)."
+    )
+    lease: Duration = Field(
+        10.0,
+        gt=0,
+        description="How long a claim holds its rows unless renewed; a dead relay's rows return "
+        "after it (seconds). A relay renews what it holds every third of it, and publishes only "
+        "within 90% of it from its last claim or renewal.",
+    )
+    confirm_timeout: Duration = Field(
+        10.0, gt=0, description="How long a batch waits for publisher confirms (seconds)."
+    )
+    max_attempts: int = Field(
+        10, ge=1, description="Publish attempts before a row is dead-lettered as `max_attempts`."
+    )
+    max_ambiguous: int = Field(
+        5,
+        ge=0,
+        description="Re-sends after an unknown outcome (lost connection, confirm timeout) "
+        "that do not count as attempts.",
+    )
+    retry_delay: Duration = Field(
+        1.0, gt=0, description="First retry delay after a nack; doubles per attempt (seconds)."
+    )
+    retry_max_delay: Duration = Field(300.0, gt=0, description="Cap on the retry delay (seconds).")
+    shutdown_timeout: Duration = Field(
+        30.0,
+        gt=0,
+        description="On SIGTERM, how long the batch in flight may wait for its confirms before the "
+        "rest is given back to other relays (seconds).",
+    )
+    startup_timeout: Duration = Field(
+        15.0,
+        ge=0,
+        description="How long `run` retries unreachable services at start, then exits (seconds).",
+    )
+    relay_name: str = Field(
+        default_factory=_default_relay_name,
+        min_length=1,
+        max_length=200,
+        description="This replica's name, recorded on the rows it claims (default `host:pid`).",
+    )
+    log_level: str = Field("INFO", description="Logging level: DEBUG, INFO, WARNING or ERROR.")
+    log_format: str = Field(
+        "auto",
+        description="`json`, `text`, or `auto`: JSON lines unless stderr is a terminal.",
+    )
+    event_loop: str = Field(
+        "auto",
+        description="`uvloop`, `asyncio`, or `auto`: uvloop when it is installed (about twice the "
+        "publish rate), else asyncio's own loop.",
+    )
+    synchronous_commit: bool = Field(
+        False,
+        description="Whether the relay's settles wait for the WAL flush (its claims always "
+        "do). Off by default: losing a settle in a database crash only makes the relay send "
+        "again what the broker already confirmed, under a new, counted claim; no message is "
+        "lost (README, Performance).",
+    )
+    metrics_host: str = Field(
+        "0.0.0.0",  # noqa: S104  # scraped from other hosts by default; narrow it with this setting
+        min_length=1,
+        description="Address the /metrics, /livez and /readyz endpoint binds to.",
+    )
+    metrics_port: int = Field(
+        9464,
+        ge=0,
+        le=65535,
+        description="Port of the /metrics, /livez and /readyz endpoint (0: any free port).",
+    )
+    stats_interval: Duration = Field(
+        15.0,
+        gt=0,
+        description="How often the backlog and database-health gauges are refreshed (seconds).",
+    )
+    xmin_warning: Duration = Field(
+        600.0,
+        gt=0,
+        description="Warn when a transaction has held back PostgreSQL's vacuum horizon this long "
+        "(seconds).",
+    )
+
+    archive_retention: Duration = Field(
+        604800.0,
+        ge=0,
+        description="Archived rows older than this are pruned by the relay, in small batches, by "
+        "one replica at a time (seconds; default 7 days; 0 turns pruning off).",
+    )
+    archive_prune_interval: Duration = Field(
+        3600.0, gt=0, description="How often the relay prunes the archive (seconds)."
+    )
+    key_retention: Duration = Field(
+        2592000.0,
+        ge=0,
+        description="An ordering key nobody has used for this long, with no message waiting or "
+        "dead and no block, is forgotten, checked hourly; if used again its numbering restarts "
+        "at 1 (seconds, an hour or more; default 30 days; 0 keeps every key forever).",
+    )
+
+    @field_validator("key_retention")
+    @classmethod
+    def _an_hour_or_none(cls, value: float) -> float:
+        if 0 < value < 3600:
+            raise ValueError("must be 0 (keep every key) or an hour or more")
+        return value
+
+    @field_validator("amqp_url")
+    @classmethod
+    def _amqp_url_scheme(cls, value: SecretStr) -> SecretStr:
+        return _check_scheme(value, ("amqp", "amqps"))
+
+    @field_validator("amqp_ca_file", "amqp_cert_file", "amqp_key_file")
+    @classmethod
+    def _readable_file(cls, value: str | None) -> str | None:
+        if value is not None and not os.access(value, os.R_OK):
+            raise ValueError(f"cannot read {value}")
+        return value
+
+    @pydantic.model_validator(mode="after")
+    def _tls_files_need_amqps(self) -> Settings:
+        files = (self.amqp_ca_file, self.amqp_cert_file, self.amqp_key_file)
+        if any(files) and urlsplit(self.amqp_url.get_secret_value()).scheme != "amqps":
+            raise ValueError(
+                "OUTBOX_AMQP_CA_FILE, OUTBOX_AMQP_CERT_FILE and OUTBOX_AMQP_KEY_FILE need an "
+                "amqps:// OUTBOX_AMQP_URL"
+            )
+        if self.amqp_key_file and not self.amqp_cert_file:
+            raise ValueError("OUTBOX_AMQP_KEY_FILE needs OUTBOX_AMQP_CERT_FILE")
+        return self
+
+    @field_validator("log_format")
+    @classmethod
+    def _known_format(cls, value: str) -> str:
+        if value.lower() not in {"auto", "json", "text"}:
+            raise ValueError("use auto, json or text")
+        return value.lower()
+
+    @field_validator("event_loop")
+    @classmethod
+    def _known_loop(cls, value: str) -> str:
+        if value.lower() not in {"auto", "uvloop", "asyncio"}:
+            raise ValueError("use auto, uvloop or asyncio")
+        return value.lower()
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        level = value.upper()
+        if level not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            raise ValueError("use DEBUG, INFO, WARNING or ERROR")
+        return level
+
+
+class PipelineSettings(_Database):
+    """The data pipeline's knobs (`outbox-relay pipeline …`): where the lake is, how Spark runs."""
+
+    lake: str = Field(
+        "outbox-lake",
+        min_length=1,
+        description="Where the pipeline writes Parquet: a folder, or any Hadoop URL (`hdfs://`, "
+        "`s3a://`, …) the Spark installation can write to.",
+    )
+    spark_master: str = Field(
+        "local[*]",
+        min_length=1,
+        description="Spark master: `local[*]` (this machine), `spark://host:7077`, `yarn`, "
+        "`k8s://…`. Under `spark-submit`, its `--master` wins.",
+    )
+    jdbc_jar: str = Field(
+        "/usr/share/java/postgresql.jar",
+        min_length=1,
+        description="The PostgreSQL JDBC driver jar (Debian's `libpostgresql-jdbc-java`).",
+    )
+    export_partitions: int = Field(
+        4, ge=1, le=1024, description="Parallel JDBC reads (connections) per exported id range."
+    )
+    export_chunk: int = Field(
+        1_000_000,
+        ge=1000,
+        description="Ids per export range: the unit of resuming, re-writing and pruning.",
+    )
+    fetch_size: int = Field(
+        10_000, ge=1, le=1_000_000, description="Rows per JDBC fetch round trip."
+    )
+    report_dir: str = Field(
+        "outbox-report",
+        min_length=1,
+        description="Local folder for the human report (`report.md` and its PNG charts).",
+    )
+
+
+def _check_scheme(value: SecretStr, schemes: tuple[str, ...]) -> SecretStr:
+    raw = value.get_secret_value()
+    try:
+        scheme = urlsplit(raw).scheme
+        urlsplit(raw).port  # noqa: B018  # raises ValueError on a malformed port
+    except ValueError:
+        raise ValueError("not a valid URL") from None
+    if scheme not in schemes:
+        raise ValueError(f"must start with {' or '.join(s + '://' for s in schemes)}")
+    return value
+
+
+def env_name(field: str) -> str:
+    """The environment variable that sets `field`."""
+    info = Settings.model_fields.get(field) or PipelineSettings.model_fields[field]
+    alias = info.validation_alias
+    return alias if isinstance(alias, str) else f"OUTBOX_{field.upper()}"
+
+
+def _setting(loc: tuple[int | str, ...]) -> str:
+    """Name the setting an error is about by its environment variable, whichever way it came in."""
+    name = str(loc[0]) if loc else "settings"
+    known = Settings.model_fields.keys() | PipelineSettings.model_fields.keys()
+    return env_name(name) if name in known else name
+
+
+def load(**overrides: Any) -> Settings:
+    """Settings from the environment, overridden by flags; ConfigError if invalid."""
+    return _load(Settings, overrides)
+
+
+def load_pipeline(**overrides: Any) -> PipelineSettings:
+    """The pipeline's settings from the environment, overridden by flags; ConfigError if invalid."""
+    return _load(PipelineSettings, overrides)
+
+
+_S = TypeVar("_S", bound=_Database)
+
+
+def _load(kind: type[_S], overrides: dict[str, Any]) -> _S:
+    try:
+        return kind(**{k: v for k, v in overrides.items() if v is not None})
+    except pydantic.ValidationError as exc:
+        problems = "; ".join(
+            (f"{_setting(e['loc'])}: " if e["loc"] else "") + e["msg"].removeprefix("Value error, ")
+            for e in exc.errors(include_url=False, include_input=False)
+        )
+        raise errors.ConfigError(f"invalid settings: {problems}") from None

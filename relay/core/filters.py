@@ -1,0 +1,102 @@
+"""What an operator's dead-letter filter means: globs, time bounds, and their SQL parameters."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from uuid import UUID
+
+from relay.core import config, errors
+
+
+def glob_to_like(pattern: str) -> str:
+    """A shell glob (`*` any characters, `?` one) as a LIKE pattern with backslash escapes, so
+    that `%`, `_` and `\\` in the glob are taken literally."""
+    escaped = pattern.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return escaped.replace("*", "%").replace("?", "_")
+
+
+def when(value: str | datetime | timedelta, now: datetime | None = None) -> datetime:
+    """A time bound: an ISO 8601 time (UTC if it names no zone), or a duration meaning that long
+    ago (`30m`, `2h`, `7d`). InvalidArgument otherwise."""
+    now = now or datetime.now(UTC)
+    if isinstance(value, timedelta):
+        return now - value
+    if isinstance(value, datetime):
+        return value if value.tzinfo else value.replace(tzinfo=UTC)
+    try:
+        return now - timedelta(seconds=config.parse_duration(value))
+    except ValueError:
+        pass
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise errors.InvalidArgument(
+            f"not a time: {value!r} (an ISO 8601 time such as 2026-11-21T08:00, or a duration "
+            "ago such as 30m, 2h, 7d)"
+        ) from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeadFilter:
+    """Which dead rows an operation applies to; every field left None matches everything."""
+
+    reasons: tuple[str, ...] | None = None
+    exchange: str | None = None
+    routing_key: str | None = None  # a shell glob
+    key: str | None = None  # a shell glob over the ordering key
+    since: datetime | None = None  # failed at or after
+    until: datetime | None = None  # failed before
+    message_ids: tuple[UUID, ...] | None = None
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        reasons: Sequence[str] = (),
+        exchange: str | None = None,
+        routing_key: str | None = None,
+        key: str | None = None,
+        since: str | datetime | timedelta | None = None,
+        until: str | datetime | timedelta | None = None,
+        message_ids: Sequence[str | UUID] = (),
+    ) -> DeadFilter:
+        """A filter from loosely typed input (the CLI's), checked: InvalidArgument if bad.
+        Relative times are fixed now, so running the same filter again selects the same rows."""
+        ids = tuple(_uuid(m) for m in message_ids) or None
+        low = when(since) if since is not None else None
+        high = when(until) if until is not None else None
+        if low is not None and high is not None and low >= high:
+            raise errors.InvalidArgument("--since must be before --until")
+        return cls(tuple(reasons) or None, exchange, routing_key, key, low, high, ids)
+
+    @property
+    def is_everything(self) -> bool:
+        return self == DeadFilter()
+
+    def params(self) -> dict[str, Any]:
+        """The parameters of the dead_matches() SQL function, by name."""
+        return {
+            "reasons": list(self.reasons) if self.reasons else None,
+            "exchange": self.exchange,
+            "routing_key": None if self.routing_key is None else glob_to_like(self.routing_key),
+            "key": None if self.key is None else glob_to_like(self.key),
+            "since": self.since,
+            "until": self.until,
+            "ids": list(self.message_ids) if self.message_ids else None,
+        }
+
+
+_UUID = re.compile(r"[0-9a-fA-F]{8}-?([0-9a-fA-F]{4}-?){3}[0-9a-fA-F]{12}")
+
+
+def _uuid(value: str | UUID) -> UUID:
+    if isinstance(value, UUID):
+        return value
+    if not _UUID.fullmatch(value.strip()):
+        raise errors.InvalidArgument(f"not a message id: {value!r}")
+    return UUID(value.strip())

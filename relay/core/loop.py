@@ -1,0 +1,584 @@
+"""The relay's cycle: claim due rows, publish them with confirms, and settle each by its outcome."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TypeVar
+from uuid import UUID
+
+import tenacity
+
+from relay.core import chores, errors, leases, logs, model, ports, retry
+
+T = TypeVar("T")
+log = logging.getLogger("relay.loop")  # the name log lines carry: as before the folders
+
+Outcome = model.Outcome
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Options:
+    """The knobs the loop reads (built from config.Settings by the composition root)."""
+
+    batch_size: int = 500
+    lease: float = 10.0
+    poll_interval: float = 1.0
+    max_attempts: int = 10
+    max_ambiguous: int = 5
+    retry_delay: float = 1.0
+    retry_max_delay: float = 300.0
+    reconnect_max_delay: float = 30.0
+    shutdown_grace: float = 30.0
+    #: Claim the next batch while a full one is being published, so the database's work overlaps
+    #: the broker's (the composition root turns it on; a cycle then leaves the next batch leased).
+    prefetch: bool = False
+
+    @property
+    def heartbeat(self) -> float:
+        """How often the relay renews what it holds: three chances before a lease runs out."""
+        return self.lease / 3
+
+
+def plan(
+    published: Sequence[model.OutboxMessage],
+    results: Sequence[model.PublishResult],
+    exhausted: Sequence[model.OutboxMessage],
+    options: Options,
+    *,
+    stopping: bool = False,
+) -> model.Settlement:
+    """Map each message's outcome to its row transition. Pure: the policy lives here, only here."""
+    archive: list[int] = []
+    dead = [_exhausted(m) for m in exhausted]
+    retries: list[model.Retry] = []
+    for message, result in zip(published, results, strict=True):
+        match result.outcome:
+            case Outcome.ACKED:
+                archive.append(message.id)
+            case Outcome.RETURNED:
+                dead.append(_dead(message, model.DeadReason.UNROUTABLE, result))
+            case Outcome.NO_EXCHANGE:
+                dead.append(_dead(message, model.DeadReason.NO_EXCHANGE, result))
+            case Outcome.INVALID:
+                dead.append(_dead(message, model.DeadReason.INVALID, result))
+            case Outcome.REJECTED:
+                dead.append(_dead(message, result.reason or model.DeadReason.REJECTED, result))
+            case Outcome.UNSENT:
+                # Never written: give it back untried, at once, for whoever holds it now.
+                retries.append(
+                    model.Retry(message.id, 0.0, result.detail, refund=True, why="released")
+                )
+            case Outcome.AMBIGUOUS if message.ambiguous < options.max_ambiguous:
+                # It may have arrived: send it again soon, without spending one of its attempts
+                # (at once if this relay is stopping, so another replica takes it).
+                delay = 0.0 if stopping else options.retry_delay
+                retries.append(
+                    model.Retry(
+                        message.id,
+                        delay,
+                        result.detail,
+                        refund=True,
+                        ambiguous=True,
+                        why="ambiguous",
+                    )
+                )
+            case Outcome.NACKED | Outcome.AMBIGUOUS | Outcome.FAILED:
+                if message.attempts >= options.max_attempts:
+                    detail = f"attempt {message.attempts} {result.outcome.value}: {result.detail}"
+                    dead.append(model.DeadLetter(message.id, model.DeadReason.MAX_ATTEMPTS, detail))
+                else:
+                    delay = retry.message_delay(
+                        message.attempts, options.retry_delay, options.retry_max_delay
+                    )
+                    why = result.outcome.value  # nacked, ambiguous (past its cap) or failed
+                    retries.append(model.Retry(message.id, delay, result.detail, why=why))
+    resent = tuple(m.id for m, r in zip(published, results, strict=True) if r.resent)
+    return model.Settlement(tuple(archive), tuple(dead), tuple(retries), resent)
+
+
+def release(batch: Sequence[model.OutboxMessage], why: str) -> model.Settlement:
+    """Give claimed rows back untried (attempt refunded), due at once for any replica."""
+    return model.Settlement(
+        retry=tuple(model.Retry(m.id, 0.0, why, refund=True, why="released") for m in batch)
+    )
+
+
+def _dead(
+    message: model.OutboxMessage, reason: model.DeadReason, result: model.PublishResult
+) -> model.DeadLetter:
+    return model.DeadLetter(message.id, reason, result.detail)
+
+
+def _exhausted(message: model.OutboxMessage) -> model.DeadLetter:
+    cause = message.last_error or "no error was recorded: the relay holding it may have died"
+    detail = f"claimed {message.attempts} times; last error: {cause}"
+    return model.DeadLetter(message.id, model.DeadReason.MAX_ATTEMPTS, detail)
+
+
+class Relay:
+    """One relay's loop. `run_once()` is a single cycle; `run()` cycles until told to stop.
+
+    Everything it holds is in `leases` (a lease keeper), renewed every third of a lease while
+    `run()` or `run_until_empty()` is going; tests that call `run_once()` directly renew by
+    calling `leases.run_once()`. A claim is published only while its hold is trusted."""
+
+    def __init__(
+        self,
+        store: ports.Store,
+        publisher: ports.Publisher,
+        options: Options = Options(),  # frozen, so sharing the default is safe
+        *,
+        wake: asyncio.Event | None = None,
+        recheck: asyncio.Event | None = None,
+        on_cycle: Callable[[model.CycleReport], None] | None = None,
+        on_chore_error: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = store
+        self._publisher = publisher
+        self._options = options
+        self._clock = clock
+        self.wake = wake or asyncio.Event()
+        #: Set when a producer's commit queued a key recheck (a NOTIFY: a hint); rechecks also run
+        #: with every look for orphans (the guarantee). Set at start: something may be queued.
+        self.recheck = recheck or asyncio.Event()
+        self.recheck.set()
+        self._on_cycle = on_cycle
+        self._stopping = asyncio.Event()  # claim nothing more; give back what is not yet sent
+        self._abort = asyncio.Event()  # the shutdown grace is over: stop waiting for confirms
+        self._next_orphan_check = 0.0
+        self._prefetched: asyncio.Future[tuple[model.Claim, float]] | None = None
+        self.leases = leases.Keeper(store, options.lease, clock)
+        #: The keeper's heartbeat, as a supervised chore (the composition root watches it).
+        self.heartbeat = chores.Chore(
+            "leases",
+            self.leases.run_once,
+            options.heartbeat,
+            stall_after=options.lease * 3,
+            on_error=on_chore_error,
+        )
+        self.last_progress = (
+            time.monotonic()
+        )  # for /livez: the loop is cycling, or waiting on purpose
+
+    def tick(self) -> None:
+        """Note that the loop is alive: it cycled, or is deliberately waiting (for work, an outage
+        to end, or the broker to unblock)."""
+        self.last_progress = time.monotonic()
+
+    def _outage(self, state: tenacity.RetryCallState) -> None:
+        self.tick()  # waiting out an outage is not hanging
+        _log_outage(state)
+
+    async def run_once(self) -> model.CycleReport:
+        """One cycle: publish a batch of due rows, then (twice a lease) bury orphans that used up
+        their attempts and take the others one at a time (a row that kills its relay must not
+        take a batch with it), then, when told to (`recheck`) or twice a lease, release keyed
+        rows a producer's commit left to the relays.
+        Raises errors.TransientError if a service is down before anything was claimed (giving
+        back the batch claimed ahead first: another replica may have a broker); once rows are
+        claimed, it settles them before returning."""
+        try:
+            await self._publisher.connect()  # never lease rows we could not publish
+        except errors.TransientError:
+            await self.drop_prefetched()
+            raise
+        if self._publisher.blocked:
+            await self.drop_prefetched()
+            return model.CycleReport(blocked=True)
+        report = await self._work(*await self._claim())
+        if self._clock() >= self._next_orphan_check:
+            report = report.combine(await self._orphans())
+            self.recheck.set()
+        if self.recheck.is_set():
+            self.recheck.clear()
+            released = await self._store.release_stranded()
+            if released:
+                freed = model.CycleReport(settled=model.SettleCounts(released=released))
+                report = report.combine(freed)
+        if self._on_cycle is not None:
+            self._on_cycle(report)
+        return report
+
+    async def _claim(self) -> tuple[model.Claim, float]:
+        """The batch claimed ahead during the last cycle, else a fresh claim."""
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None:
+            try:
+                return await prefetched
+            except errors.TransientError as exc:
+                log.debug("claiming ahead failed (%s); claiming now", exc)
+        return await self._claim_now()
+
+    async def _claim_now(self) -> tuple[model.Claim, float]:
+        return await self._held(self._store.claim(self._options.batch_size, self._options.lease))
+
+    async def _held(self, claiming: Awaitable[model.Claim]) -> tuple[model.Claim, float]:
+        """Claim, and hand what was claimed to the keeper, trusted from before the request."""
+        sent = self._clock()
+        claim, seconds = await _timed(claiming)
+        self.leases.hold(claim, sent)
+        return claim, seconds
+
+    async def drop_prefetched(self) -> None:
+        """Give back a batch claimed ahead that no cycle will publish (stopping, blocked, or no
+        broker to publish it to): due at once, for any replica, its attempt refunded."""
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is None:
+            return
+        try:
+            claim, _ = await prefetched
+        except errors.TransientError:
+            return  # nothing was claimed
+        if claim.messages:
+            try:
+                await self._settle(claim.claim_id, release(claim.messages, "released unsent"))
+            finally:
+                self.leases.drop(claim.claim_id)
+
+    async def _orphans(self) -> model.CycleReport:
+        """Bury orphans that used up their attempts, then take the others one at a time. Orphans
+        appear only when a lease runs out, so looking twice per lease is often enough."""
+        self._next_orphan_check = self._clock() + self._options.lease / 2
+        await self._store.release_orphans(self._options.lease)
+        report = await self._bury()
+        for _ in range(self._options.batch_size):
+            if self._stopping.is_set() or self._publisher.blocked:
+                break
+            orphan, seconds = await self._held(
+                self._store.claim_orphans(1, self._options.lease, self._options.max_attempts)
+            )
+            if not orphan.messages:
+                break
+            # Not chained: the next batch would wait, claimed, behind every orphan still to come
+            # (and a row that kills its relay would take it down too).
+            report = report.combine(await self._work(orphan, seconds, chain=False))
+        return report
+
+    async def run_until_empty(self) -> model.CycleReport:
+        """Cycle until a cycle finds nothing to do (no due rows, nothing to bury, no keyed row to
+        release); return the sum of the cycles' counts (their measurements went to `on_cycle`)."""
+        total = model.CycleReport()
+        async with self._keeping():
+            while True:
+                report = await self.run_once()
+                total = total.combine(report.counts())
+                if not (report.claimed or report.buried or report.settled.released):
+                    return total
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Cycle until `stop` is set: back-to-back while batches come back full (which sweeps any
+        backlog at start-up), otherwise waiting for a NOTIFY (`wake`) or the poll interval; while
+        the broker blocks publishing, waiting for it to unblock. Once `stop` is set, nothing more is
+        claimed and the batch in flight gets `shutdown_grace` seconds for its confirms before what
+        is unconfirmed is given back. Outages are retried with back-off; other errors propagate."""
+        grace = asyncio.create_task(self._abort_after_grace(stop))
+        async with self._keeping():
+            try:
+                while not stop.is_set():
+                    self.tick()
+                    # A wake-up that came after the next batch was claimed (with the last settle)
+                    # is for rows that claim did not see: keep it for after that batch.
+                    if self._prefetched is None:
+                        self.wake.clear()
+                    report = await self._cycle(stop)
+                    # Straight on while the next batch is already claimed, while batches come
+                    # back full (in rows, or in bytes: cut short), or when settles freed keyed
+                    # rows.
+                    if report is None or self._prefetched is not None:
+                        continue
+                    if report.claimed >= self._options.batch_size:
+                        continue
+                    if report.cut_short:
+                        continue
+                    if report.settled.released:
+                        continue
+                    if report.blocked:
+                        await self._wait_unblocked(stop)
+                        continue
+                    await _wait_any((self.wake, stop), self._options.poll_interval)
+            finally:
+                grace.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await grace
+                await self.drop_prefetched()
+
+    @contextlib.asynccontextmanager
+    async def _keeping(self) -> AsyncIterator[None]:
+        """The lease keeper's heartbeat, for as long as the relay runs."""
+        beating = asyncio.create_task(self.heartbeat.run(), name="outbox-leases")
+        try:
+            yield
+        finally:
+            beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beating
+
+    async def _abort_after_grace(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        self._stopping.set()
+        await asyncio.sleep(self._options.shutdown_grace)
+        log.warning(
+            "no confirms after %gs of grace: giving unconfirmed rows back",
+            self._options.shutdown_grace,
+        )
+        self._abort.set()
+
+    async def _wait_unblocked(self, stop: asyncio.Event) -> None:
+        log.warning(
+            "RabbitMQ is blocking publishes (a memory or disk alarm): "
+            "claiming nothing until it lifts"
+        )
+        while self._publisher.blocked and not stop.is_set():
+            self.tick()
+            await _wait_any_of(
+                (self._publisher.until_unblocked(), stop.wait()), self._options.poll_interval
+            )
+        if not stop.is_set():
+            log.info("RabbitMQ accepts publishes again")
+
+    async def _cycle(self, stop: asyncio.Event) -> model.CycleReport | None:
+        retrying = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception(retry.is_transient),
+            wait=retry.reconnect_wait(maximum=self._options.reconnect_max_delay),
+            sleep=lambda seconds: _wait_any((stop,), seconds),
+            before_sleep=self._outage,
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                if stop.is_set():
+                    return None
+                return await self.run_once()
+        return None  # pragma: no cover  # tenacity either returns or re-raises
+
+    async def _bury(self) -> model.CycleReport:
+        buried = await self._store.bury_exhausted(self._options.max_attempts)
+        for message_id, attempts in buried:
+            log.warning(
+                "dead-lettered message_id=%s attempt=%d reason=max_attempts "
+                "detail=never settled, its relays kept dying (moved to dead unread)",
+                message_id,
+                attempts,
+                extra=logs.event(
+                    event="dead_lettered",
+                    message_id=message_id,
+                    attempt=attempts,
+                    reason="max_attempts",
+                    detail="never settled (moved unread)",
+                ),
+            )
+        if not buried:
+            return model.CycleReport()
+        return model.CycleReport(
+            buried=len(buried), dead={model.DeadReason.MAX_ATTEMPTS: len(buried)}
+        )
+
+    async def _work(
+        self, claim: model.Claim, claim_seconds: float, *, chain: bool = True
+    ) -> model.CycleReport:
+        """Publish one claim's rows and settle them (claiming the next batch with the settle,
+        when `chain`)."""
+        if not claim.messages:
+            return model.CycleReport(claim_seconds=(claim_seconds,))
+        batch = sorted(claim.messages, key=lambda m: m.id)
+        to_send: list[model.OutboxMessage] = []
+        results: list[model.PublishResult] = []
+        try:
+            if self._stopping.is_set():
+                settlement = release(batch, "released unsent: the relay was stopping")
+            else:
+                to_send, results, settlement = await self._publish(claim, batch)
+            counts = await self._settle(claim.claim_id, settlement, chain=chain)
+        finally:
+            self.leases.drop(claim.claim_id)
+        _log_transitions(batch, settlement, counts)
+        return _report(claim, claim_seconds, to_send, results, settlement, counts)
+
+    async def _publish(
+        self, claim: model.Claim, batch: list[model.OutboxMessage]
+    ) -> tuple[list[model.OutboxMessage], list[model.PublishResult], model.Settlement]:
+        """Publish what the claim still holds (renewing its lease first if little of it is left)
+        and plan the settle; claim the next batch meanwhile if this one is full."""
+        try:
+            held = await self.leases.confirm(claim.claim_id)
+        except errors.TransientError as exc:
+            log.warning("could not confirm a lease before publishing (%s): giving it back", exc)
+            return [], [], release(batch, f"not sent: {exc}")
+        if len(held) < len(batch):
+            log.warning(
+                "%d of %d rows claimed passed to another relay before they were sent; "
+                "not sending them",
+                len(batch) - len(held),
+                len(batch),
+            )
+        mine = [m for m in batch if m.id in held]
+        exhausted = [m for m in mine if m.attempts > self._options.max_attempts]
+        to_send = [m for m in mine if m.attempts <= self._options.max_attempts]
+        if self._options.prefetch and (len(batch) >= self._options.batch_size or claim.cut_short):
+            self._prefetched = asyncio.ensure_future(self._claim_now())
+        results: list[model.PublishResult] = []
+        if to_send:
+            sending = frozenset(m.id for m in to_send)
+            results = await self._publisher.publish(
+                to_send, self._abort, lambda: self.leases.valid(claim.claim_id, sending)
+            )
+        settlement = plan(
+            to_send, results, exhausted, self._options, stopping=self._stopping.is_set()
+        )
+        return to_send, results, settlement
+
+    async def _settle(
+        self, claim_id: UUID, settlement: model.Settlement, *, chain: bool = False
+    ) -> model.SettleCounts:
+        """Settle the batch; when `chain`, claim the next one in the same round trip
+        (docs/decisions/0005) — unless a batch is claimed ahead already, or something went wrong
+        with this one (it gives rows back: then another replica may do better), or the relay is
+        stopping."""
+        # The broker has spoken; forgetting what it said would re-send the batch after the lease.
+        # So a settle is retried for as long as it takes (shutdown's timeout is the outer bound).
+        chain = (
+            chain
+            and self._options.prefetch
+            and self._prefetched is None
+            and not settlement.retry
+            and not self._publisher.blocked
+            and not self._stopping.is_set()
+        )
+        retrying = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception(retry.is_transient),
+            wait=retry.reconnect_wait(maximum=self._options.reconnect_max_delay),
+            before_sleep=self._outage,
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                if not chain:
+                    return await self._store.settle(claim_id, settlement)
+                sent = self._clock()
+                counts, following = await self._store.settle_then_claim(
+                    claim_id, settlement, self._options.batch_size, self._options.lease
+                )
+                if following.messages:
+                    self.leases.hold(following, sent)
+                    self._prefetched = _ready((following, self._clock() - sent))
+                return counts
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _report(
+    claim: model.Claim,
+    claim_seconds: float,
+    published: Sequence[model.OutboxMessage],
+    results: Sequence[model.PublishResult],
+    settlement: model.Settlement,
+    counts: model.SettleCounts,
+) -> model.CycleReport:
+    acked = [(m, r) for m, r in zip(published, results, strict=True) if r.outcome is Outcome.ACKED]
+    return model.CycleReport(
+        claimed=len(claim.messages),
+        cut_short=claim.cut_short,
+        outcomes=dict(collections.Counter(r.outcome for r in results)),
+        dead=dict(collections.Counter(d.reason for d in settlement.dead)),
+        settled=counts,
+        retried=dict(collections.Counter(r.why for r in settlement.retry)),
+        ambiguous=sum(r.ambiguous for r in settlement.retry) + len(settlement.resent),
+        batch_sizes=(len(claim.messages),),
+        claim_seconds=(claim_seconds,),
+        publish_seconds=tuple(r.seconds for _, r in acked if r.seconds is not None),
+        commit_seconds=tuple(
+            max(0.0, r.confirmed_at - m.created_at.timestamp())
+            for m, r in acked
+            if r.confirmed_at is not None
+        ),
+    )
+
+
+def _ready(value: T) -> asyncio.Future[T]:
+    """A future that already holds `value`."""
+    future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+    future.set_result(value)
+    return future
+
+
+async def _timed(claiming: Awaitable[model.Claim]) -> tuple[model.Claim, float]:
+    started = time.perf_counter()
+    claim = await claiming
+    return claim, time.perf_counter() - started
+
+
+def _log_transitions(
+    batch: Sequence[model.OutboxMessage], settlement: model.Settlement, counts: model.SettleCounts
+) -> None:
+    """Each dead letter is an event of its own; retries are summed up per batch (per message at
+    DEBUG), so an outage that re-sends a whole batch writes one line, not five hundred."""
+    by_id = {m.id: m for m in batch}
+    for dead in settlement.dead:
+        message = by_id[dead.id]
+        log.warning(
+            "dead-lettered message_id=%s attempt=%d reason=%s detail=%s",
+            message.message_id,
+            message.attempts,
+            dead.reason.value,
+            dead.detail,
+            extra=logs.event(
+                event="dead_lettered",
+                message_id=message.message_id,
+                attempt=message.attempts,
+                reason=dead.reason.value,
+                detail=dead.detail,
+                ordering_key=message.ordering_key,
+            ),
+        )
+    if counts.fenced:
+        log.warning(
+            "%d rows had been re-claimed by another relay: their settle was skipped", counts.fenced
+        )
+    if not settlement.retry:
+        return
+    refunded = sum(r.refund for r in settlement.retry)
+    log.info(
+        "retrying %d of %d messages (%d not counted as attempts): %s",
+        len(settlement.retry),
+        len(batch),
+        refunded,
+        settlement.retry[0].error,
+    )
+    for again in settlement.retry:
+        message = by_id[again.id]
+        log.debug(
+            "retrying message_id=%s attempt=%d in=%.2fs refund=%s error=%s",
+            message.message_id,
+            message.attempts,
+            again.delay,
+            again.refund,
+            again.error,
+        )
+
+
+def _log_outage(state: tenacity.RetryCallState) -> None:
+    exc = state.outcome.exception() if state.outcome else None
+    wait = state.next_action.sleep if state.next_action else 0.0
+    log.warning("%s; retrying in %.1fs (attempt %d)", exc, wait, state.attempt_number)
+
+
+async def _wait_any(events: Sequence[asyncio.Event], seconds: float | None) -> None:
+    """Return when any event is set or after `seconds`, whichever is first."""
+    await _wait_any_of([e.wait() for e in events], seconds)
+
+
+async def _wait_any_of(awaitables: Sequence[Awaitable[object]], seconds: float | None) -> None:
+    waiters = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*waiters, return_exceptions=True)

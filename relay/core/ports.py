@@ -1,0 +1,91 @@
+"""The interfaces the relay loop needs from the outside world: a store and a publisher."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Protocol
+from uuid import UUID
+
+from relay.core import model
+
+
+class Store(Protocol):
+    """Where outbox rows live. Raises errors.DatabaseUnavailable if the database is unreachable."""
+
+    async def claim(self, limit: int, lease: float) -> model.Claim:
+        """Lease up to `limit` due unclaimed rows for `lease` seconds, counting an attempt each."""
+        ...
+
+    async def claim_orphans(self, limit: int, lease: float, max_attempts: int) -> model.Claim:
+        """The same for orphans (rows whose lease ran out without a settle: their relay died)
+        with fewer than `max_attempts` claims; the others are bury_exhausted's."""
+        ...
+
+    async def release_orphans(self, lease: float) -> int:
+        """Move rows of the ready lane whose claim's lease ran out unsettled to where
+        claim_orphans and bury_exhausted find them; how many."""
+        ...
+
+    async def bury_exhausted(self, max_attempts: int) -> list[tuple[UUID, int]]:
+        """Move every orphan with `max_attempts` claims to dead without reading it; return each
+        one's message_id and attempts."""
+        ...
+
+    async def extend(self, claim_id: UUID, ids: Sequence[int], lease: float) -> frozenset[int]:
+        """Push the lease of rows still under `claim_id` to `lease` seconds from now (by the
+        database's clock); return those rows. The others were re-claimed by another relay."""
+        ...
+
+    async def settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:
+        """Apply a claim's transitions in one transaction; skip rows no longer under `claim_id`."""
+        ...
+
+    async def settle_then_claim(
+        self, claim_id: UUID, settlement: model.Settlement, limit: int, lease: float
+    ) -> tuple[model.SettleCounts, model.Claim]:
+        """`settle`, then `claim` the next batch in the same transaction (it sees what the
+        settle did: the keyed rows it released): one round trip for both."""
+        ...
+
+    async def release_stranded(self) -> int:
+        """Release keyed rows whose producer committed while their predecessor was being
+        settled, now that both are over; how many."""
+        ...
+
+    async def stats(self) -> model.Stats:
+        """Counts of pending, in-flight, archived and dead rows."""
+        ...
+
+
+class Publisher(Protocol):
+    """Where messages go. Raises errors.BrokerUnavailable when the broker cannot be reached."""
+
+    async def connect(self) -> None:
+        """Make sure a connection and channels are open; cheap when they already are."""
+        ...
+
+    @property
+    def blocked(self) -> bool:
+        """True while the broker refuses to accept publishes (a memory or disk alarm)."""
+        ...
+
+    async def until_unblocked(self) -> None:
+        """Return once the broker accepts publishes again (or the connection is gone)."""
+        ...
+
+    async def publish(
+        self,
+        messages: Sequence[model.OutboxMessage],
+        abort: asyncio.Event | None = None,
+        still_held: Callable[[], bool] | None = None,
+    ) -> list[model.PublishResult]:
+        """Publish all messages and return one result per message, in order. Never raises for a
+        per-message failure: a lost connection makes the unconfirmed messages AMBIGUOUS. Setting
+        `abort` stops waiting for confirms; what is still unconfirmed comes back AMBIGUOUS.
+        `still_held` is asked right before anything is written: once it says no (the lease on
+        the messages may have passed to another relay), nothing more is written, and messages
+        never written come back UNSENT."""
+        ...
+
+    async def close(self) -> None: ...

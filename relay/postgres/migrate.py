@@ -1,0 +1,124 @@
+"""Applies the numbered files of sql/ in order, once each, one migrator at a time per schema."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from importlib import resources
+from importlib.resources.abc import Traversable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import psycopg.errors
+
+from relay.core import config, errors
+from relay.postgres import pg, roles, sql
+
+_FILE = re.compile(r"(\d{4})_(\w+)\.sql")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Migration:
+    version: int
+    name: str
+    text: str
+
+    @property
+    def checksum(self) -> str:
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
+
+    @property
+    def label(self) -> str:
+        return f"{self.version:04d}_{self.name}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Result:
+    applied: tuple[Migration, ...]
+    version: int
+
+
+def migrations_dir() -> Traversable:
+    """The migrations shipped in the wheel (relay/migrations), else the source tree's sql/."""
+    packaged = resources.files("relay").joinpath("migrations")
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parents[2] / "sql"
+
+
+def discover(directory: Traversable | None = None) -> list[Migration]:
+    """All migrations in `directory`, by version. MigrationError on a gap or a duplicate number."""
+    found = []
+    for entry in (directory or migrations_dir()).iterdir():
+        match = _FILE.fullmatch(entry.name)
+        if match:
+            found.append(Migration(int(match[1]), match[2], entry.read_text(encoding="utf-8")))
+    found.sort(key=lambda m: m.version)
+    if [m.version for m in found] != list(range(1, len(found) + 1)):
+        raise errors.MigrationError(
+            f"migrations must be numbered 1..n without gaps: {[m.label for m in found]}"
+        )
+    return found
+
+
+def migrate(conninfo: str, schema: str, migrations: list[Migration] | None = None) -> Result:
+    """Bring `schema` up to date and return what was applied. Safe to run twice, or twice at once:
+    the second waits for the first and then finds nothing to do. Each file runs in its own
+    transaction, recorded with its checksum; an applied file that changed since is refused.
+    Raises DatabaseUnavailable or MigrationError."""
+    config.check_identifier(schema)
+    todo = discover() if migrations is None else migrations
+    q = sql.load(schema)
+    try:
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            conn.execute(q.migration_lock, {"schema": schema})
+            try:
+                result = _apply(conn, q, todo)
+                conn.execute(q.revoke_public_execute)
+                roles.refresh(conn, schema)  # grant new objects to the roles, if set up
+                return result
+            finally:
+                conn.execute(q.migration_unlock, {"schema": schema})
+    except psycopg.OperationalError as exc:
+        raise errors.DatabaseUnavailable(f"PostgreSQL unavailable: {pg.first_line(exc)}") from exc
+
+
+def _apply(conn: psycopg.Connection[Any], q: sql.Queries, todo: list[Migration]) -> Result:
+    conn.execute(q.create_schema)
+    conn.execute(q.create_migrations_table)
+    applied = {int(v): str(c) for v, _, c in conn.execute(q.applied_migrations).fetchall()}
+    for migration in todo:
+        if migration.version in applied and applied[migration.version] != migration.checksum:
+            raise errors.MigrationError(
+                f"migration {migration.label} changed after it was applied; "
+                "add a new migration instead of editing an old one"
+            )
+    pending = [m for m in todo if m.version not in applied]
+    for migration in pending:
+        _apply_one(conn, q, migration)
+    version = max([*applied, *(m.version for m in pending)], default=0)
+    return Result(tuple(pending), version)
+
+
+def _apply_one(conn: psycopg.Connection[Any], q: sql.Queries, migration: Migration) -> None:
+    try:
+        with conn.transaction():
+            conn.execute(q.migration_search_path)
+            # A migration file is several statements of our own, run as one simple query.
+            conn.execute(migration.text.encode("utf-8"))
+            conn.execute(
+                q.record_migration,
+                {
+                    "version": migration.version,
+                    "name": migration.name,
+                    "checksum": migration.checksum,
+                },
+            )
+    except psycopg.OperationalError:
+        raise
+    except psycopg.Error as exc:
+        raise errors.MigrationError(
+            f"migration {migration.label} failed: {exc.diag.message_primary or exc}"
+        ) from exc

@@ -1,0 +1,57 @@
+"""What the PostgreSQL adapters share: turning psycopg's errors into the project's."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import psycopg.errors
+import psycopg_pool
+
+from relay.core import config, errors
+
+#: Every session the relay opens carries this name, so operators can find (and kill) them.
+APPLICATION_NAME = "outbox-relay"
+
+#: Errors that mean "the schema is not there (yet)", not "the database is down".
+_MISSING = (
+    psycopg.errors.UndefinedTable,
+    psycopg.errors.InvalidSchemaName,
+    psycopg.errors.UndefinedFunction,
+)
+
+
+@contextlib.contextmanager
+def translate_errors(schema: str) -> Iterator[None]:
+    """Outages become DatabaseUnavailable and a missing schema SchemaMissing; anything else (a bug,
+    a constraint) propagates unchanged."""
+    try:
+        yield
+    except _MISSING as exc:
+        raise errors.SchemaMissing(
+            f'the outbox schema "{schema}" is missing or incomplete ({exc.diag.message_primary}); '
+            "run `outbox-relay migrate`"
+        ) from exc
+    except (psycopg.OperationalError, psycopg_pool.PoolTimeout) as exc:
+        raise errors.DatabaseUnavailable(f"PostgreSQL unavailable: {first_line(exc)}") from exc
+
+
+@contextlib.contextmanager
+def session(conninfo: str, schema: str, purpose: str) -> Iterator[psycopg.Connection[Any]]:
+    """An autocommit connection for one operator session, named `outbox-relay <purpose>` in
+    pg_stat_activity; ConfigError for a bad schema name, DatabaseUnavailable if unreachable."""
+    config.check_identifier(schema)
+    with translate_errors(schema):
+        conn = psycopg.connect(
+            conninfo, autocommit=True, application_name=f"{APPLICATION_NAME} {purpose}"
+        )
+    with conn:
+        yield conn
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's text (libpq's messages run over several)."""
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]

@@ -1,0 +1,529 @@
+"""The PostgreSQL adapter: claims and settles outbox rows through a psycopg connection pool."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from datetime import datetime, timedelta
+from typing import Any, LiteralString
+from uuid import UUID
+
+import psycopg
+import psycopg_pool
+from psycopg.rows import namedtuple_row
+
+from relay.core import config, errors, model
+from relay.postgres import pg, sql
+from relay.postgres.pg import translate_errors
+
+#: How long an operation waits for a pooled connection before the database counts as unavailable.
+POOL_WAIT = 3.0
+#: A claimed batch's bodies, headers and properties stop growing past this (the first row is
+#: always taken). The relay holds at most two batches: one publishing, one claimed ahead.
+BATCH_MAX_BYTES = 64 * 1024 * 1024
+#: Rows one bury, one recheck or one page of forgetting keys handles per transaction.
+CHUNK = 1000
+#: Segments in the ready lane's ring (migration 0015).
+SEGMENTS = 4
+
+
+#: A relay walks the whole ready lane at least this often (seconds): rows a window had to leave
+#: behind are found then — only those held past STRAGGLER_WAIT by a claim that then rolled back
+#: (a relay stalled mid-claim, then cut off), which is rare; the walk reads every row of the
+#: lane (up to 4 segments of 131,072), which is not free, so not often.
+FULL_PASS_EVERY = 300.0
+#: A relay closes most windows without looking whether a row in them is still unclaimed (one it
+#: skipped while another relay's claim held it, should that claim roll back); this often
+#: (seconds) it walks again, and verifies, all it closed so since.
+VERIFY_EVERY = 1.0
+#: How long a window may stay open because a row in it is held by someone else's claim that has
+#: not committed (seconds) before the relay moves on; the next full pass finds the row.
+STRAGGLER_WAIT = 2.0
+#: The ready lane's orphans are looked for among leases that ran out since the last look; at
+#: least this often (seconds), among all of them (a row skipped while another session held it).
+FULL_ORPHAN_PASS_EVERY = 300.0
+#: Each look for orphans starts this far (seconds) before where the last one ended, for claims
+#: that committed after it although their lease had already run out (a lease runs from its
+#: claim's start). A claim that took longer than its lease and this to commit is found by the
+#: full pass. Going back a whole lease, as the first version did, looked at every claim three
+#: times (a look every half lease) and held the loop 50 ms every 5 s at 2,000 messages/s.
+LATE_COMMIT = 2.0
+WHOLE_LANE = "1:1:"
+
+
+@dataclasses.dataclass(slots=True)
+class Window:
+    """Where this relay is in the ready lane (docs/decisions/0004): the window of transactions
+    that committed after snapshot `prev` and before `hi` (None: the next claim opens one), and
+    the cursor in it. A new relay's first window covers the whole lane, and so does one at least
+    every FULL_PASS_EVERY seconds; every VERIFY_EVERY seconds one covers again, and verifies, the
+    windows closed unverified since."""
+
+    clock: Callable[[], float] = time.monotonic
+    prev: str = WHOLE_LANE
+    hi: str | None = None
+    xid: str = "0"
+    id: int = 0
+    ready_first: bool = False
+    verifying: bool = False  # the open window is closed only once nothing in it is unclaimed
+    unverified: str | None = None  # where the windows closed unverified since begin
+    verify_at: float = 0.0
+    full_pass_at: float | None = None  # when the last window over the whole lane opened
+    stuck_since: float | None = None  # since when a row in the window is held by someone else
+
+    def params(self) -> dict[str, Any]:
+        now = self.clock()
+        if self.hi is None:
+            if self.full_pass_at is None or now - self.full_pass_at >= FULL_PASS_EVERY:
+                self.prev, self.full_pass_at, self.unverified = WHOLE_LANE, now, None
+                self.verifying = True
+            elif self.unverified is not None and now >= self.verify_at:
+                self.prev, self.unverified, self.verifying = self.unverified, None, True
+        self.ready_first = not self.ready_first  # the lanes take turns to go first
+        return {
+            "prev": self.prev,
+            "hi": self.hi,
+            "xid": self.xid,
+            "cursor": self.id,
+            "ready_first": self.ready_first,
+            "verify": self.verifying,
+        }
+
+    def moved(self, trailer: Any) -> None:
+        """Take the window's state from a claim's trailer row."""
+        if trailer.window_closed:
+            self._close(trailer.window_hi)
+            return
+        # A window left open moved its cursor forward, or found a row in it still unclaimed (held
+        # by another relay's claim that has not committed): the cursor went back to it, or stayed
+        # there. Only moving forward is progress: a claim held open for minutes (a relay stalled
+        # mid-claim) must not keep every relay's window open for as long.
+        moved_on = (int(trailer.window_xid), trailer.window_id) > (int(self.xid), self.id)
+        self.hi, self.xid, self.id = trailer.window_hi, str(trailer.window_xid), trailer.window_id
+        if moved_on:
+            self.stuck_since = None
+        elif self.stuck_since is None:
+            self.stuck_since = self.clock()
+        elif self.clock() - self.stuck_since >= STRAGGLER_WAIT:
+            self._close(trailer.window_hi)  # the full pass will find what is held
+
+    def forget(self) -> None:
+        """After an outage (the server may have restarted): walk the whole lane next, from its
+        start."""
+        self.hi, self.full_pass_at, self.xid, self.id = None, None, "0", 0
+        self.stuck_since, self.verifying = None, False
+
+    def _close(self, hi: str) -> None:
+        if not self.verifying and self.unverified is None:
+            self.unverified, self.verify_at = self.prev, self.clock() + VERIFY_EVERY
+        self.prev, self.hi, self.xid, self.id = hi, None, "0", 0
+        self.stuck_since, self.verifying = None, False
+
+
+class PgStore:
+    """ports.Store on PostgreSQL. Every method raises errors.DatabaseUnavailable on an outage."""
+
+    def __init__(
+        self,
+        pool: psycopg_pool.AsyncConnectionPool,
+        schema: str,
+        relay_name: str,
+        batch_max_bytes: int = BATCH_MAX_BYTES,
+        synchronous_commit: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._pool = pool
+        self._schema = schema
+        self._q = sql.load(schema)
+        self._relay_name = relay_name
+        self._batch_max_bytes = batch_max_bytes
+        self._synchronous_commit = synchronous_commit
+        self._clock = clock  # the window's and the orphan sweep's timers (tests pass their own)
+        self._window = Window(clock=clock)
+        self._claiming = asyncio.Lock()  # the window moves one claim at a time
+        self._orphans_after: datetime | None = None  # where the next look for orphans starts
+        self._full_orphan_pass_at = clock()
+
+    @classmethod
+    async def open(
+        cls,
+        conninfo: str,
+        schema: str,
+        relay_name: str,
+        *,
+        connect_timeout: float = 10.0,
+        max_size: int = 2,
+        synchronous_commit: bool = True,
+        batch_max_bytes: int = BATCH_MAX_BYTES,
+    ) -> PgStore:
+        """Open a pool and check the schema exists. Raises DatabaseUnavailable or SchemaMissing.
+        Claims are always durable before they return; without `synchronous_commit`, settles do
+        not wait for the WAL flush (unless they record a re-send)."""
+        config.check_identifier(schema)
+        with translate_errors(schema):
+            # One direct connection first: a pool only says "timed out", libpq says why.
+            probe = await psycopg.AsyncConnection.connect(
+                conninfo, autocommit=True, connect_timeout=max(1, round(connect_timeout))
+            )
+            await probe.close()
+        pool = psycopg_pool.AsyncConnectionPool(
+            conninfo,
+            min_size=1,
+            max_size=max_size,
+            open=False,
+            # Waiting for a connection while the database is down only delays the relay's own
+            # back-off (and /readyz): fail fast. And give up the pool's own reconnect back-off
+            # (1 s doubling, for minutes) quickly: the next demand starts again at once, so the
+            # relay's retries, not the pool's, decide how soon it is back after an outage.
+            timeout=POOL_WAIT,
+            reconnect_timeout=POOL_WAIT,
+            kwargs={"autocommit": True, "application_name": pg.APPLICATION_NAME},
+            configure=_session(sql.load(schema).relay_session),
+            name="outbox-relay",
+        )
+        try:
+            with translate_errors(schema):
+                await pool.open(wait=True, timeout=connect_timeout)
+            store = cls(pool, schema, relay_name, batch_max_bytes, synchronous_commit)
+            await store.schema_version()
+        except BaseException:
+            await pool.close()
+            raise
+        return store
+
+    async def close(self) -> None:
+        await self._pool.close()
+
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        with translate_errors(self._schema):
+            async with self._pool.connection() as conn:
+                yield conn
+
+    async def schema_version(self) -> int:
+        """The newest migration applied. Raises SchemaMissing before the first `migrate`."""
+        async with self._connection() as conn:
+            cur = await conn.execute(self._q.schema_version)
+            row = await cur.fetchone()
+        version = int(row[0]) if row else 0
+        if version == 0:
+            raise errors.SchemaMissing(
+                f'the outbox schema "{self._schema}" has no migrations; run `outbox-relay migrate`'
+            )
+        return version
+
+    async def use_fast_lane(self) -> None:
+        """Let producers use the ready lane: a relay that knows it is running."""
+        async with self._connection() as conn:
+            await conn.execute(self._q.use_fast_lane)
+
+    async def claim(self, limit: int, lease: float) -> model.Claim:
+        async with self._claiming:
+            params = {**self._claim_params(limit, lease), **self._window.params()}
+            try:
+                rows = await self._fetch(self._q.claim_batch, params)
+            except errors.DatabaseUnavailable:
+                self._window.forget()
+                raise
+            trailer = rows.pop()
+            self._window.moved(trailer)
+        return self._claimed(params["claim_id"], rows, trailer)
+
+    @staticmethod
+    def _claimed(claim_id: UUID, rows: list[Any], trailer: Any) -> model.Claim:
+        slow = [row for row in rows if row.lane == "messages"]
+        ready = sum(row.lane == "ready" for row in rows)
+        cut_short = (bool(slow) and slow[0].locked > len(slow)) or trailer.locked > ready
+        return model.Claim(claim_id, tuple(_message(row) for row in rows), cut_short)
+
+    async def claim_orphans(self, limit: int, lease: float, max_attempts: int) -> model.Claim:
+        params = {**self._claim_params(limit, lease), "max_attempts": max_attempts}
+        rows = await self._fetch(self._q.claim_orphans, params)
+        return model.Claim(params["claim_id"], tuple(_message(row) for row in rows))
+
+    def _claim_params(self, limit: int, lease: float) -> dict[str, Any]:
+        return {
+            "limit": limit,
+            "max_bytes": self._batch_max_bytes,
+            "lease": lease,
+            "claim_id": uuid.uuid4(),
+            "claimed_by": self._relay_name,
+        }
+
+    async def _fetch(self, query: LiteralString, params: dict[str, Any]) -> list[Any]:
+        async with self._connection() as conn:
+            cur = conn.cursor(row_factory=namedtuple_row)
+            await cur.execute(query, params)
+            return await cur.fetchall()
+
+    async def release_orphans(self, lease: float) -> int:
+        """Move the ready lane's orphans (claims whose lease ran out unsettled) into messages,
+        where claim_orphans and bury_exhausted find them; how many. Looks at the leases that ran
+        out since the last look (less LATE_COMMIT, for claims that committed late)."""
+        moved = 0
+        if self._clock() - self._full_orphan_pass_at >= FULL_ORPHAN_PASS_EVERY:
+            self._orphans_after, self._full_orphan_pass_at = None, self._clock()
+        first_checked: datetime | None = None
+        while True:
+            params = {"after": self._orphans_after, "limit": CHUNK}
+            async with self._connection() as conn:
+                cur = await conn.execute(self._q.release_orphans, params)
+                looked, n, last_until, checked_at = await _one(cur)
+            moved += int(n)
+            first_checked = first_checked or checked_at
+            if looked < CHUNK:
+                # From the first page's time: a claim committed after it, with its lease ended
+                # before it, is behind the later pages' cursor, and within LATE_COMMIT of this.
+                margin = timedelta(seconds=min(lease, LATE_COMMIT))
+                self._orphans_after = first_checked - margin
+                return moved
+            self._orphans_after = last_until
+
+    def shift_orphan_cursor(self, seconds: float) -> None:
+        """Move where the next look for orphans starts back by `seconds` (the interleaving
+        tests move stored times back to make time pass)."""
+        if self._orphans_after is not None:
+            self._orphans_after -= timedelta(seconds=seconds)
+
+    async def reclaim(self) -> int:
+        """TRUNCATE the ready lane's segments whose rows are all done; how many."""
+        reclaimed = 0
+        for seg in range(SEGMENTS):
+            async with self._connection() as conn:
+                cur = await conn.execute(self._q.reclaim_segment, {"seg": seg})
+                (done,) = await _one(cur)
+            reclaimed += bool(done)
+        return reclaimed
+
+    async def bury_exhausted(self, max_attempts: int) -> list[tuple[UUID, int]]:
+        buried: list[tuple[UUID, int]] = []
+        while True:  # in chunks, each its own transaction
+            async with self._connection() as conn:
+                cur = await conn.execute(
+                    self._q.bury_exhausted, {"max_attempts": max_attempts, "limit": CHUNK}
+                )
+                rows = await cur.fetchall()
+            buried.extend((UUID(str(m)), int(n)) for m, n in rows)
+            if len(rows) < CHUNK:
+                return buried
+
+    async def extend(self, claim_id: UUID, ids: Sequence[int], lease: float) -> frozenset[int]:
+        params = {"claim_id": claim_id, "ids": list(ids), "lease": lease}
+        async with self._connection() as conn:
+            cur = await conn.execute(self._q.extend_leases, params)
+            return frozenset(int(i) for (i,) in await cur.fetchall())
+
+    async def settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:
+        # A settle that records a re-send waits for the flush whatever the setting: losing it in
+        # a crash would lose a send from `attempts + ambiguous`, the bound on the sends.
+        durable = self._synchronous_commit or bool(settlement.resent)
+        async with self._connection() as conn:
+            cur = await conn.execute(self._q.settle, _settle_params(claim_id, settlement, durable))
+            archived, dead, retried, released, blocked = await _one(cur)
+        fenced = settlement.size - archived - dead - retried
+        return model.SettleCounts(archived, dead, retried, fenced, released, blocked)
+
+    async def settle_then_claim(
+        self, claim_id: UUID, settlement: model.Settlement, limit: int, lease: float
+    ) -> tuple[model.SettleCounts, model.Claim]:
+        durable = self._synchronous_commit or bool(settlement.resent)
+        async with self._claiming:
+            params = {
+                **_settle_params(claim_id, settlement, durable),
+                **self._claim_params(limit, lease),
+                **self._window.params(),
+            }
+            params["next_id"] = params.pop("claim_id")
+            params["claim_id"] = claim_id
+            try:
+                rows = await self._fetch(self._q.settle_then_claim, params)
+            except errors.DatabaseUnavailable:
+                self._window.forget()
+                raise
+            settled = rows.pop()
+            trailer = rows.pop()
+            self._window.moved(trailer)
+        fenced = settlement.size - settled.archived - settled.dead - settled.retried
+        counts = model.SettleCounts(
+            settled.archived,
+            settled.dead,
+            settled.retried,
+            fenced,
+            settled.released,
+            settled.blocked,
+        )
+        return counts, self._claimed(params["next_id"], rows, trailer)
+
+    async def release_stranded(self) -> int:
+        released = 0
+        while True:
+            async with self._connection() as conn:
+                cur = await conn.execute(self._q.release_stranded, {"limit": CHUNK})
+                looked, n = await _one(cur)
+            released += int(n)
+            if looked < CHUNK:
+                return released
+
+    async def forget_idle_keys(self, idle_for: float) -> int:
+        """Forget keys nobody has used for `idle_for` seconds (no message waiting, no block):
+        one pass over `keys`, in pages of their own transactions; how many."""
+        forgotten, after = 0, ""
+        while True:
+            async with self._connection() as conn:
+                cur = await conn.execute(
+                    self._q.forget_idle_keys, {"idle": idle_for, "after": after, "limit": CHUNK}
+                )
+                n, last = await _one(cur)
+            forgotten += int(n)
+            if last is None:
+                return forgotten
+            after = str(last)
+
+    async def blocked_key_count(self) -> int:
+        async with self._connection() as conn:
+            cur = await conn.execute(self._q.blocked_key_count)
+            (count,) = await _one(cur)
+        return int(count)
+
+    async def observe(self) -> model.Observation:
+        """The gauges' snapshot: backlog by state and the database's health, in one query."""
+        async with self._connection() as conn:
+            cur = await conn.execute(self._q.observe, {"messages": f'"{self._schema}".messages'})
+            row = await _one(cur)
+        (
+            due,
+            scheduled,
+            gated,
+            in_flight,
+            oldest,
+            dead,
+            blocked,
+            dead_tuples,
+            autovacuum,
+            autovacuum_on,
+            xmin_seconds,
+            xmin_xids,
+            xmin_pid,
+            xmin_state,
+        ) = row
+        return model.Observation(
+            due=due,
+            scheduled=scheduled,
+            gated=gated,
+            in_flight=in_flight,
+            oldest_due_seconds=_float(oldest),
+            dead=dead,
+            blocked_keys=blocked,
+            dead_tuples=int(dead_tuples or 0),
+            last_autovacuum=_float(autovacuum),
+            autovacuum_on=autovacuum_on is not False,
+            xmin_seconds=_float(xmin_seconds),
+            xmin_xids=xmin_xids,
+            xmin_pid=xmin_pid,
+            xmin_state=xmin_state,
+        )
+
+    async def stats(self) -> model.Stats:
+        async with self._connection() as conn:
+            cur = await conn.execute(self._q.message_stats)
+            pending, due, scheduled, in_flight, oldest = await _one(cur)
+            cur = await conn.execute(self._q.archive_count)
+            (archived,) = await _one(cur)
+            cur = await conn.execute(self._q.blocked_key_count)
+            (blocked_keys,) = await _one(cur)
+            cur = await conn.execute(self._q.dead_by_reason)
+            by_reason = {str(reason): int(n) for reason, n in await cur.fetchall()}
+        return model.Stats(
+            pending=pending,
+            due=due,
+            scheduled=scheduled,
+            in_flight=in_flight,
+            oldest_pending_age_seconds=None if oldest is None else float(oldest),
+            archived=archived,
+            dead=sum(by_reason.values()),
+            dead_by_reason=by_reason,
+            blocked_keys=blocked_keys,
+            observation=await self.observe(),
+        )
+
+    async def table_inserts(self) -> dict[str, int]:
+        """Rows ever inserted into messages, archive and dead (PostgreSQL's statistics)."""
+        async with self._connection() as conn:
+            cur = await conn.execute(self._q.table_inserts, {"schema": self._schema})
+            return {str(name): int(n) for name, n in await cur.fetchall()}
+
+    async def dead_by_reason(self) -> dict[str, int]:
+        async with self._connection() as conn:
+            cur = await conn.execute(self._q.dead_by_reason)
+            return {str(reason): int(n) for reason, n in await cur.fetchall()}
+
+
+def _session(query: LiteralString) -> Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]]:
+    """The pool's set-up of each new connection."""
+
+    async def configure(conn: psycopg.AsyncConnection[Any]) -> None:
+        await conn.execute(query)
+
+    return configure
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+async def _one(cur: psycopg.AsyncCursor[Any]) -> Any:
+    row = await cur.fetchone()
+    assert row is not None  # aggregate queries always return one row
+    return row
+
+
+def _message(row: Any) -> model.OutboxMessage:
+    """A claimed row as a message. JSON that will not decode (a row edited by hand, nesting deeper
+    than Python's parser goes) marks this one message invalid instead of failing the claim."""
+    invalid = None
+    try:
+        headers, properties = json.loads(row.headers), json.loads(row.properties)
+    except (ValueError, RecursionError) as exc:
+        headers, properties = {}, {}
+        invalid = f"stored headers or properties cannot be decoded: {type(exc).__name__}"
+    return model.OutboxMessage(
+        id=row.id,
+        message_id=row.message_id,
+        exchange=row.exchange,
+        routing_key=row.routing_key,
+        body=bytes(row.body),
+        headers=headers,
+        properties=properties,
+        ordering_key=row.ordering_key,
+        created_at=row.created_at,
+        attempts=row.attempts,
+        ambiguous=row.ambiguous,
+        last_error=row.last_error,
+        invalid=invalid,
+        seq=row.seq,
+        replays=row.replays,
+        replayed_at=row.replayed_at,
+        replayed_from=row.replayed_from,
+    )
+
+
+def _settle_params(claim_id: UUID, settlement: model.Settlement, durable: bool) -> dict[str, Any]:
+    return {
+        "claim_id": claim_id,
+        "archive": list(settlement.archive),
+        "dead": [d.id for d in settlement.dead],
+        "reasons": [d.reason.value for d in settlement.dead],
+        "details": [d.detail for d in settlement.dead],
+        "retry": [r.id for r in settlement.retry],
+        "delays": [r.delay for r in settlement.retry],
+        "errors": [r.error for r in settlement.retry],
+        "refunds": [r.refund for r in settlement.retry],
+        "ambiguous": [r.ambiguous for r in settlement.retry],
+        "resent": list(settlement.resent),
+        "durable": durable,
+    }

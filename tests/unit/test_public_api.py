@@ -1,0 +1,72 @@
+"""The public surface, exactly: what README tells users to import (the producer functions, the
+operators' Admin, the consumers' helpers, dead-letter filters, the errors they raise, settings for
+the pipeline from Python). A name added or removed here is a change for users (CHANGELOG.md);
+where the code behind it lives is not."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+SURFACE = {
+    "relay": [
+        "Message",
+        "__version__",
+        "enqueue",
+        "enqueue_async",
+        "enqueue_many",
+        "enqueue_many_async",
+    ],
+    "relay.admin": [
+        "Admin",
+        "ArchiveStats",
+        "BlockedKey",
+        "DeadGroup",
+        "DeadMessage",
+        "DeadRow",
+        "KeyPolicy",
+        "LaneState",
+    ],
+    "relay.config": ["PipelineSettings", "Settings", "load", "load_pipeline"],
+    "relay.consumer": ["Delivered", "Inbox", "Problem", "SequenceChecker"],
+    "relay.errors": [
+        "BrokerUnavailable",
+        "ConfigError",
+        "DatabaseUnavailable",
+        "DuplicateMessage",
+        "InvalidArgument",
+        "InvalidMessage",
+        "MigrationError",
+        "RelayError",
+        "SchemaMissing",
+        "TransientError",
+    ],
+    "relay.filters": ["DeadFilter", "glob_to_like", "when"],
+}
+HOMES = {
+    "relay": "relay.postgres.producer",
+    "relay.admin": "relay.postgres.admin",
+    "relay.config": "relay.core.config",
+    "relay.consumer": "relay.postgres.consumer",
+    "relay.errors": "relay.core.errors",
+    "relay.filters": "relay.core.filters",
+}
+
+
+@pytest.mark.parametrize("module", sorted(SURFACE))
+def test_each_public_module_exports_exactly_its_names(module: str) -> None:
+    public = importlib.import_module(module)
+    assert sorted(public.__all__) == SURFACE[module]
+    home = importlib.import_module(HOMES[module])
+    for name in SURFACE[module]:
+        if name != "__version__":
+            assert getattr(public, name) is getattr(home, name), name
+
+
+def test_the_command_is_the_cli_groups_entry_point() -> None:
+    from importlib.metadata import entry_points
+
+    (script,) = entry_points(group="console_scripts", name="outbox-relay")
+    assert script.value == "relay.cli:main"
+    assert callable(script.load())
