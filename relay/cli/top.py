@@ -12,7 +12,7 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 
-from relay.core import config, model
+from relay.core import config, model, ports
 from relay.postgres.store import PgStore
 
 
@@ -26,7 +26,7 @@ class Frame:
     rates: dict[str, float]  # enqueued, published, dead — per second
 
 
-async def frame(store: PgStore, interval: float) -> Frame:
+async def frame(store: ports.Readings, interval: float) -> Frame:
     """One frame, taken over `interval` seconds (a rate needs two readings)."""
     before, started = await store.table_inserts(), time.monotonic()
     await asyncio.sleep(interval)

@@ -1,4 +1,5 @@
-"""The interfaces the relay loop needs from the outside world: a store and a publisher."""
+"""The interfaces the relay loop needs from the outside world (a store and a publisher), and what
+the chores beside it read (the outbox's readings, the broker's state)."""
 
 from __future__ import annotations
 
@@ -89,3 +90,41 @@ class Publisher(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+class Readings(Protocol):
+    """What the watcher and `top` read of the outbox. Raises errors.DatabaseUnavailable when the
+    database is unreachable, errors.SchemaMissing before the first `migrate`."""
+
+    async def schema_version(self) -> int:
+        """The newest migration applied."""
+        ...
+
+    async def observe(self) -> model.Observation:
+        """The gauges' snapshot: backlog by state and the database's health."""
+        ...
+
+    async def table_inserts(self) -> dict[str, int]:
+        """Rows ever inserted into messages, archive and dead (for rates between two readings)."""
+        ...
+
+    async def dead_by_reason(self) -> dict[str, int]:
+        """Dead letters waiting, by reason."""
+        ...
+
+
+class BrokerState(Protocol):
+    """What the watcher reads of the publisher for the probes and the broker gauges."""
+
+    @property
+    def connected(self) -> bool: ...
+
+    @property
+    def blocked(self) -> bool: ...
+
+
+class Progress(Protocol):
+    """A loop that says when it last cycled or waited on purpose (`time.monotonic()`)."""
+
+    @property
+    def last_progress(self) -> float: ...

@@ -7,10 +7,8 @@ import dataclasses
 import logging
 import time
 
-from relay.amqp.publisher import AmqpPublisher
-from relay.core import errors, logs, loop
+from relay.core import errors, logs, ports
 from relay.ops import metrics
-from relay.postgres.store import PgStore
 
 log = logging.getLogger("relay.watch")  # the name log lines carry: as before the folders
 
@@ -31,9 +29,9 @@ class Watcher:
 
     def __init__(
         self,
-        store: PgStore,
-        publisher: AmqpPublisher,
-        relay: loop.Relay,
+        store: ports.Readings,
+        publisher: ports.BrokerState,
+        relay: ports.Progress,
         counters: metrics.Metrics,
         *,
         stats_interval: float,

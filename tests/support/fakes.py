@@ -282,3 +282,53 @@ class ScriptedPublisher:
 
     async def close(self) -> None:
         return None
+
+
+def observation(**changes: object) -> model.Observation:
+    """A healthy observation of a small outbox, with `changes`."""
+    seen = model.Observation(
+        due=3,
+        scheduled=1,
+        gated=2,
+        in_flight=4,
+        oldest_due_seconds=1.5,
+        dead=5,
+        blocked_keys=0,
+        dead_tuples=7,
+        last_autovacuum=None,
+        autovacuum_on=True,
+        xmin_seconds=None,
+        xmin_xids=None,
+        xmin_pid=None,
+        xmin_state=None,
+    )
+    return dataclasses.replace(seen, **changes)  # type: ignore[arg-type]
+
+
+class ScriptedReadings:
+    """What the watcher and `top` read (ports.Readings), scripted: an exception to raise or the
+    values to return; counts the looks at the gauges."""
+
+    def __init__(self, version: int = 20) -> None:
+        self.inserts: dict[str, int] = {}
+        self.dead: dict[str, int] = {}
+        self.version: int | Exception = version
+        self.seen: model.Observation | Exception = observation()
+        self.observed = 0
+
+    async def schema_version(self) -> int:
+        if isinstance(self.version, Exception):
+            raise self.version
+        return self.version
+
+    async def observe(self) -> model.Observation:
+        self.observed += 1
+        if isinstance(self.seen, Exception):
+            raise self.seen
+        return self.seen
+
+    async def table_inserts(self) -> dict[str, int]:
+        return dict(self.inserts)
+
+    async def dead_by_reason(self) -> dict[str, int]:
+        return dict(self.dead)
