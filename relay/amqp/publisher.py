@@ -8,10 +8,9 @@ import dataclasses
 import logging
 import re
 import ssl
-import struct
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import aio_pika
@@ -19,10 +18,11 @@ import aio_pika.abc
 import aiormq
 import aiormq.abc
 import aiormq.exceptions
-import pamqp.encode
-from pamqp import commands, constants, frame, header
+from pamqp import commands
 
+from relay.amqp import encoding
 from relay.amqp import frames as wire
+from relay.amqp.encoding import Encoded, InvalidRow
 from relay.core import errors, model
 
 log = logging.getLogger("relay.publisher")  # the name log lines carry: as before the folders
@@ -32,16 +32,6 @@ Reason = model.DeadReason
 
 #: How long an exchange seen to exist is trusted before it is checked again.
 EXCHANGE_TTL = 30.0
-_STRING_PROPERTIES = (
-    "content_type",
-    "content_encoding",
-    "correlation_id",
-    "reply_to",
-    "type",
-    "user_id",
-    "app_id",
-)
-_ENCODING_ERRORS = (TypeError, ValueError, OverflowError, RecursionError, struct.error)
 #: The broker or the network failing (as opposed to our code).
 _BROKER_ERRORS = (
     aiormq.exceptions.AMQPError,
@@ -52,42 +42,22 @@ _BROKER_ERRORS = (
 )
 #: Errors after which a message may or may not have reached the broker.
 _CONNECTION_ERRORS = (*_BROKER_ERRORS, asyncio.CancelledError)
-_EXCHANGE_NAME = constants.DOMAIN_REGEX["exchange-name"]
 _NAMED_EXCHANGE = re.compile(r"exchange '((?:[^'\\]|\\.)*)'")
 _SIZE_LIMIT = re.compile(r"message size \d+ is larger than configured max size (\d+)")
 
 Results = dict[int, model.PublishResult]
 
 
-class InvalidRow(ValueError):
-    """The row cannot be encoded as the AMQP message it claims to be."""
+class _Prebuilt(commands.Basic.Properties):
+    """Properties that marshal as encoding.encode wrote them, for aiormq's own basic_publish (a
+    message alone, or an aiormq `frames` cannot use): the same bytes on every path."""
 
+    def __init__(self, message_id: str, encoded: bytes) -> None:
+        super().__init__(message_id=message_id)  # aiormq tracks returns by message_id
+        self._encoded = encoded
 
-class Encoded(NamedTuple):
-    """A message's AMQP properties, and its content header frame marshalled for channel 0."""
-
-    properties: commands.Basic.Properties
-    header: bytes
-
-
-def _floats_as_doubles() -> None:
-    """Make pamqp write a float header value as a 64-bit double ('d'), not a 32-bit float ('f').
-    JSON numbers are doubles: as 'f', 0.1 arrived as 0.10000000149 and 16777217.0 as 16777216.0
-    (found by the hostile-input fuzz test). RabbitMQ and AMQP clients read 'd' as a double."""
-    original = pamqp.encode.encode_table_value
-    if getattr(original, "outbox_doubles", False):
-        return
-
-    def encode_table_value(value: Any) -> bytes:
-        if isinstance(value, float):
-            return b"d" + pamqp.encode.double(value)
-        return original(value)
-
-    encode_table_value.outbox_doubles = True  # type: ignore[attr-defined]
-    pamqp.encode.encode_table_value = encode_table_value
-
-
-_floats_as_doubles()
+    def marshal(self) -> bytes:
+        return self._encoded
 
 
 def tls_context(
@@ -439,67 +409,7 @@ class AmqpPublisher:
         return await wire.publish(channel, batch)
 
     def _encode(self, message: model.OutboxMessage) -> Encoded:
-        """The AMQP properties for `message`, checked to encode exactly as stored."""
-        if message.invalid is not None:
-            raise InvalidRow(message.invalid)
-        stored = dict(message.properties)
-        unknown = set(stored) - model.SETTABLE_PROPERTIES
-        if unknown:
-            raise InvalidRow(f"unknown AMQP properties: {', '.join(sorted(unknown))}")
-        for key in _STRING_PROPERTIES:
-            if key in stored and not isinstance(stored[key], str):
-                raise InvalidRow(f"property {key} must be a string")
-        if "user_id" in stored and stored["user_id"] != self._login:
-            raise InvalidRow(
-                "property user_id must equal the relay's RabbitMQ user "
-                "(RabbitMQ closes the channel otherwise)"
-            )
-        headers: dict[str, Any] = dict(message.headers)
-        headers[model.ATTEMPT_HEADER] = message.attempts
-        if message.ordering_key is not None:
-            headers[model.ORDERING_KEY_HEADER] = message.ordering_key
-        if message.seq is not None:
-            headers[model.SEQUENCE_HEADER] = message.seq
-        if message.replays:
-            headers[model.REPLAYS_HEADER] = message.replays
-            headers[model.REPLAYED_FROM_HEADER] = message.replayed_from or ""
-            if message.replayed_at is not None:
-                headers[model.REPLAYED_AT_HEADER] = message.replayed_at.isoformat()
-        try:
-            _check_field_names(headers)
-            properties = commands.Basic.Properties(
-                content_type=stored.get("content_type"),
-                content_encoding=stored.get("content_encoding"),
-                headers=headers,
-                delivery_mode=_whole(stored.get("delivery_mode", 2)),
-                priority=_whole(stored.get("priority")),
-                correlation_id=stored.get("correlation_id"),
-                reply_to=stored.get("reply_to"),
-                expiration=None
-                if "expiration" not in stored
-                else str(_whole(stored["expiration"])),
-                message_id=str(message.message_id),
-                timestamp=message.created_at,
-                message_type=stored.get("type"),
-                user_id=stored.get("user_id"),
-                app_id=stored.get("app_id"),
-            )
-            content_header = frame.marshal(
-                header.ContentHeader(0, len(message.body), properties), 0
-            )
-        except _ENCODING_ERRORS as exc:
-            raise InvalidRow(f"cannot encode as AMQP: {exc}") from None
-        if len(content_header) > self._frame_max:
-            raise InvalidRow(
-                f"headers and properties take {len(content_header)} bytes; "
-                f"the broker's frame_max is {self._frame_max}"
-            )
-        if len(message.exchange) > 127 or not _EXCHANGE_NAME.fullmatch(message.exchange):
-            # What AMQP 0-9-1 allows, and what aio-pika's exchange check can ask about.
-            raise InvalidRow(f"exchange name {message.exchange[:40]!r} is not valid in AMQP")
-        if len(message.routing_key.encode("utf-8")) > 255:
-            raise InvalidRow("the routing key is longer than AMQP's 255 bytes")
-        return Encoded(properties, content_header)
+        return encoding.encode(message, login=self._login, frame_max=self._frame_max)
 
 
 class _Stopwatch:
@@ -529,7 +439,7 @@ async def _send(
         message.body,
         exchange=message.exchange,
         routing_key=message.routing_key,
-        properties=encoded.properties,
+        properties=_Prebuilt(str(message.message_id), encoded.properties),
         mandatory=True,
     )
 
@@ -627,33 +537,6 @@ def _any_error(tasks: Mapping[int, asyncio.Future[Any]]) -> BaseException:
 def _describe(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _whole(value: Any) -> int | None:
-    """An integer property from JSON (where 2 may arrive as 2.0 or "2")."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise InvalidRow(f"expected a whole number, got {value!r}")
-    try:
-        number = float(value)
-    except ValueError:
-        raise InvalidRow(f"expected a whole number, got {value!r}") from None
-    if not number.is_integer():
-        raise InvalidRow(f"expected a whole number, got {value!r}")
-    return int(number)
-
-
-def _check_field_names(value: Any) -> None:
-    """AMQP field names are at most 128 bytes; pamqp would silently truncate longer ones."""
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            if len(key.encode("utf-8")) > 128:
-                raise InvalidRow(f"header name {key[:40]!r}… is longer than AMQP's 128 bytes")
-            _check_field_names(item)
-    elif isinstance(value, list):
-        for item in value:
-            _check_field_names(item)
 
 
 def _frame_max(connection: aio_pika.abc.AbstractConnection) -> int:
