@@ -1,4 +1,5 @@
-"""Loads the named statements of queries.sql, bound to one outbox schema."""
+"""Loads the named statements of queries/*.sql (one file per role that runs them: relay,
+producer, migrate, admin, pipeline), bound to one outbox schema."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ _HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Queries:
-    """One field per `-- name:` block in queries.sql; the loader fails if the two disagree."""
+    """One field per `-- name:` block in queries/*.sql; the loader fails if the two disagree."""
 
     claim_batch: LiteralString
     claim_orphans: LiteralString
@@ -99,11 +100,18 @@ def load(schema: str = "outbox") -> Queries:
     """The queries bound to `schema`. ConfigError if the name is unsafe."""
     quoted_schema = f'"{config.check_identifier(schema)}"'
     quoted_channel = f'"{new_channel(schema)}"'
-    text = resources.files("relay.postgres").joinpath("queries.sql").read_text(encoding="utf-8")
-    named = parse(text)
+    named: dict[str, str] = {}
+    folder = resources.files("relay.postgres").joinpath("queries")
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+        if not entry.name.endswith(".sql"):
+            continue
+        for name, body in parse(entry.read_text(encoding="utf-8")).items():
+            if name in named:
+                raise errors.RelayError(f"queries/{entry.name}: {name} is named twice")
+            named[name] = body
     expected = {f.name for f in dataclasses.fields(Queries)}
     if set(named) != expected:
-        raise errors.RelayError(f"queries.sql and sql.Queries disagree: {set(named) ^ expected}")
+        raise errors.RelayError(f"queries/*.sql and sql.Queries disagree: {set(named) ^ expected}")
     bound = {
         name: body.replace("{schema}", quoted_schema).replace("{new_channel}", quoted_channel)
         for name, body in named.items()

@@ -37,7 +37,9 @@ def test_the_wheel_carries_migrations_queries_and_type_hints(wheel: Path) -> Non
     names = set(zipfile.ZipFile(wheel).namelist())
     migrations = sorted(p.name for p in (ROOT / "sql").glob("*.sql"))
     assert {f"relay/migrations/{m}" for m in migrations} <= names
-    assert {"relay/postgres/queries.sql", "relay/postgres/roles.sql", "relay/py.typed"} <= names
+    roles = ("relay", "producer", "migrate", "admin", "pipeline")
+    queries = {f"relay/postgres/queries/{n}.sql" for n in roles}
+    assert queries | {"relay/postgres/roles.sql", "relay/py.typed"} <= names
     assert not any(n.startswith("tests/") for n in names)
     (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
     extras = {

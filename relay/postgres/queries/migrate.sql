@@ -1,0 +1,37 @@
+-- What `outbox-relay migrate` runs (relay/postgres/migrate.py), as the schema's owner.
+-- `{schema}` is replaced by the quoted, validated schema name and `{new_channel}` by the quoted
+-- NOTIFY channel; nothing else is ever spliced into these texts.
+
+-- name: migration_lock
+-- One migrate at a time per schema, across processes and hosts (session-level advisory lock).
+SELECT pg_advisory_lock(hashtextextended('outbox-relay migrate ' || %(schema)s, 0));
+
+-- name: migration_unlock
+SELECT pg_advisory_unlock(hashtextextended('outbox-relay migrate ' || %(schema)s, 0));
+
+-- name: create_schema
+CREATE SCHEMA IF NOT EXISTS {schema};
+
+-- name: create_migrations_table
+CREATE TABLE IF NOT EXISTS {schema}.schema_migrations (
+    version    integer PRIMARY KEY,
+    name       text        NOT NULL,
+    checksum   text        NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- name: applied_migrations
+SELECT version, name, checksum FROM {schema}.schema_migrations ORDER BY version;
+
+-- name: migration_search_path
+-- Migrations create unqualified objects in the outbox schema; pg_temp last so it cannot shadow them.
+SET LOCAL search_path TO {schema}, pg_temp;
+
+-- name: record_migration
+INSERT INTO {schema}.schema_migrations (version, name, checksum)
+VALUES (%(version)s, %(name)s, %(checksum)s);
+
+-- name: revoke_public_execute
+-- After every migrate: only the owner and the roles granted by `outbox-relay roles` may call the
+-- schema's functions (PostgreSQL grants EXECUTE to PUBLIC on every new function).
+REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA {schema} FROM PUBLIC;
