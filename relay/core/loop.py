@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -14,111 +12,15 @@ from uuid import UUID
 
 import tenacity
 
-from relay.core import chores, errors, leases, logs, model, ports, retry
+from relay.core import chores, errors, leases, logs, model, policy, ports, retry
+from relay.core.policy import Options, plan, release
+
+__all__ = ["Options", "Relay", "plan", "release"]
 
 T = TypeVar("T")
 log = logging.getLogger("relay.loop")  # the name log lines carry: as before the folders
 
 Outcome = model.Outcome
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Options:
-    """The knobs the loop reads (built from config.Settings by the composition root)."""
-
-    batch_size: int = 500
-    lease: float = 10.0
-    poll_interval: float = 1.0
-    max_attempts: int = 10
-    max_ambiguous: int = 5
-    retry_delay: float = 1.0
-    retry_max_delay: float = 300.0
-    reconnect_max_delay: float = 30.0
-    shutdown_grace: float = 30.0
-    #: Claim the next batch while a full one is being published, so the database's work overlaps
-    #: the broker's (the composition root turns it on; a cycle then leaves the next batch leased).
-    prefetch: bool = False
-
-    @property
-    def heartbeat(self) -> float:
-        """How often the relay renews what it holds: three chances before a lease runs out."""
-        return self.lease / 3
-
-
-def plan(
-    published: Sequence[model.OutboxMessage],
-    results: Sequence[model.PublishResult],
-    exhausted: Sequence[model.OutboxMessage],
-    options: Options,
-    *,
-    stopping: bool = False,
-) -> model.Settlement:
-    """Map each message's outcome to its row transition. Pure: the policy lives here, only here."""
-    archive: list[int] = []
-    dead = [_exhausted(m) for m in exhausted]
-    retries: list[model.Retry] = []
-    for message, result in zip(published, results, strict=True):
-        match result.outcome:
-            case Outcome.ACKED:
-                archive.append(message.id)
-            case Outcome.RETURNED:
-                dead.append(_dead(message, model.DeadReason.UNROUTABLE, result))
-            case Outcome.NO_EXCHANGE:
-                dead.append(_dead(message, model.DeadReason.NO_EXCHANGE, result))
-            case Outcome.INVALID:
-                dead.append(_dead(message, model.DeadReason.INVALID, result))
-            case Outcome.REJECTED:
-                dead.append(_dead(message, result.reason or model.DeadReason.REJECTED, result))
-            case Outcome.UNSENT:
-                # Never written: give it back untried, at once, for whoever holds it now.
-                retries.append(
-                    model.Retry(message.id, 0.0, result.detail, refund=True, why="released")
-                )
-            case Outcome.AMBIGUOUS if message.ambiguous < options.max_ambiguous:
-                # It may have arrived: send it again soon, without spending one of its attempts
-                # (at once if this relay is stopping, so another replica takes it).
-                delay = 0.0 if stopping else options.retry_delay
-                retries.append(
-                    model.Retry(
-                        message.id,
-                        delay,
-                        result.detail,
-                        refund=True,
-                        ambiguous=True,
-                        why="ambiguous",
-                    )
-                )
-            case Outcome.NACKED | Outcome.AMBIGUOUS | Outcome.FAILED:
-                if message.attempts >= options.max_attempts:
-                    detail = f"attempt {message.attempts} {result.outcome.value}: {result.detail}"
-                    dead.append(model.DeadLetter(message.id, model.DeadReason.MAX_ATTEMPTS, detail))
-                else:
-                    delay = retry.message_delay(
-                        message.attempts, options.retry_delay, options.retry_max_delay
-                    )
-                    why = result.outcome.value  # nacked, ambiguous (past its cap) or failed
-                    retries.append(model.Retry(message.id, delay, result.detail, why=why))
-    resent = tuple(m.id for m, r in zip(published, results, strict=True) if r.resent)
-    return model.Settlement(tuple(archive), tuple(dead), tuple(retries), resent)
-
-
-def release(batch: Sequence[model.OutboxMessage], why: str) -> model.Settlement:
-    """Give claimed rows back untried (attempt refunded), due at once for any replica."""
-    return model.Settlement(
-        retry=tuple(model.Retry(m.id, 0.0, why, refund=True, why="released") for m in batch)
-    )
-
-
-def _dead(
-    message: model.OutboxMessage, reason: model.DeadReason, result: model.PublishResult
-) -> model.DeadLetter:
-    return model.DeadLetter(message.id, reason, result.detail)
-
-
-def _exhausted(message: model.OutboxMessage) -> model.DeadLetter:
-    cause = message.last_error or "no error was recorded: the relay holding it may have died"
-    detail = f"claimed {message.attempts} times; last error: {cause}"
-    return model.DeadLetter(message.id, model.DeadReason.MAX_ATTEMPTS, detail)
 
 
 class Relay:
@@ -398,8 +300,8 @@ class Relay:
             counts = await self._settle(claim.claim_id, settlement, chain=chain)
         finally:
             self.leases.drop(claim.claim_id)
-        _log_transitions(batch, settlement, counts)
-        return _report(claim, claim_seconds, to_send, results, settlement, counts)
+        policy.log_transitions(batch, settlement, counts)
+        return policy.report(claim, claim_seconds, to_send, results, settlement, counts)
 
     async def _publish(
         self, claim: model.Claim, batch: list[model.OutboxMessage]
@@ -472,34 +374,6 @@ class Relay:
         raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _report(
-    claim: model.Claim,
-    claim_seconds: float,
-    published: Sequence[model.OutboxMessage],
-    results: Sequence[model.PublishResult],
-    settlement: model.Settlement,
-    counts: model.SettleCounts,
-) -> model.CycleReport:
-    acked = [(m, r) for m, r in zip(published, results, strict=True) if r.outcome is Outcome.ACKED]
-    return model.CycleReport(
-        claimed=len(claim.messages),
-        cut_short=claim.cut_short,
-        outcomes=dict(collections.Counter(r.outcome for r in results)),
-        dead=dict(collections.Counter(d.reason for d in settlement.dead)),
-        settled=counts,
-        retried=dict(collections.Counter(r.why for r in settlement.retry)),
-        ambiguous=sum(r.ambiguous for r in settlement.retry) + len(settlement.resent),
-        batch_sizes=(len(claim.messages),),
-        claim_seconds=(claim_seconds,),
-        publish_seconds=tuple(r.seconds for _, r in acked if r.seconds is not None),
-        commit_seconds=tuple(
-            max(0.0, r.confirmed_at - m.created_at.timestamp())
-            for m, r in acked
-            if r.confirmed_at is not None
-        ),
-    )
-
-
 def _ready(value: T) -> asyncio.Future[T]:
     """A future that already holds `value`."""
     future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
@@ -511,55 +385,6 @@ async def _timed(claiming: Awaitable[model.Claim]) -> tuple[model.Claim, float]:
     started = time.perf_counter()
     claim = await claiming
     return claim, time.perf_counter() - started
-
-
-def _log_transitions(
-    batch: Sequence[model.OutboxMessage], settlement: model.Settlement, counts: model.SettleCounts
-) -> None:
-    """Each dead letter is an event of its own; retries are summed up per batch (per message at
-    DEBUG), so an outage that re-sends a whole batch writes one line, not five hundred."""
-    by_id = {m.id: m for m in batch}
-    for dead in settlement.dead:
-        message = by_id[dead.id]
-        log.warning(
-            "dead-lettered message_id=%s attempt=%d reason=%s detail=%s",
-            message.message_id,
-            message.attempts,
-            dead.reason.value,
-            dead.detail,
-            extra=logs.event(
-                event="dead_lettered",
-                message_id=message.message_id,
-                attempt=message.attempts,
-                reason=dead.reason.value,
-                detail=dead.detail,
-                ordering_key=message.ordering_key,
-            ),
-        )
-    if counts.fenced:
-        log.warning(
-            "%d rows had been re-claimed by another relay: their settle was skipped", counts.fenced
-        )
-    if not settlement.retry:
-        return
-    refunded = sum(r.refund for r in settlement.retry)
-    log.info(
-        "retrying %d of %d messages (%d not counted as attempts): %s",
-        len(settlement.retry),
-        len(batch),
-        refunded,
-        settlement.retry[0].error,
-    )
-    for again in settlement.retry:
-        message = by_id[again.id]
-        log.debug(
-            "retrying message_id=%s attempt=%d in=%.2fs refund=%s error=%s",
-            message.message_id,
-            message.attempts,
-            again.delay,
-            again.refund,
-            again.error,
-        )
 
 
 def _log_outage(state: tenacity.RetryCallState) -> None:
