@@ -17,34 +17,8 @@ from relay.postgres import admin
 F = TypeVar("F", bound=Callable[..., Any])
 
 CONNECTION = ("database_url", "amqp_url", "db_schema")
-RELAY_KNOBS = (
-    "amqp_ca_file",
-    "amqp_cert_file",
-    "amqp_key_file",
-    "batch_size",
-    "batch_max_bytes",
-    "poll_interval",
-    "lease",
-    "confirm_timeout",
-    "max_attempts",
-    "max_ambiguous",
-    "retry_delay",
-    "retry_max_delay",
-    "shutdown_timeout",
-    "startup_timeout",
-    "relay_name",
-    "log_level",
-    "log_format",
-    "event_loop",
-    "synchronous_commit",
-    "metrics_host",
-    "metrics_port",
-    "stats_interval",
-    "xmin_warning",
-    "archive_retention",
-    "archive_prune_interval",
-    "key_retention",
-)
+#: Every other setting of the relay, in the order Settings defines them: a new field is a new flag.
+RELAY_KNOBS = tuple(f for f in config.Settings.model_fields if f not in CONNECTION)
 
 
 def flag(field: str) -> str:
@@ -57,16 +31,13 @@ def settings_options(*fields: str) -> Callable[[F], F]:
 
     def decorate(command: F) -> F:
         for field in reversed(fields):
-            info = (
-                config.Settings.model_fields.get(field)
-                or config.PipelineSettings.model_fields[field]
-            )
+            described = config.describe(field)
             command = click.option(
                 flag(field),
                 field,
                 default=None,
-                metavar="VALUE",
-                help=f"{info.description} [env: {config.env_name(field)}]",
+                metavar=described.metavar,
+                help=described.help,
             )(command)
         return command
 

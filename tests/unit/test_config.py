@@ -130,3 +130,30 @@ def test_a_secret_file_is_checked_like_the_setting_and_never_echoed(
     monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://x@y/z")
     with pytest.raises(errors.ConfigError, match="not both"):
         config.load()
+
+
+def test_every_setting_is_described_from_its_definition_alone() -> None:
+    """Type, default, range and variable come from the field: nothing to keep in step by hand."""
+    fields = {**config.Settings.model_fields, **config.PipelineSettings.model_fields}
+    for field, info in fields.items():
+        described = config.describe(field)
+        assert described.help.startswith(str(info.description)), field
+        assert described.help.endswith(f"env: {config.env_name(field)}]"), field
+    lease = config.describe("lease")
+    assert lease.metavar == "SECONDS"
+    assert "[default: 10; > 0; or 250ms, 30s, 5m, 2h, 7d; env: OUTBOX_LEASE]" in lease.help
+    batch = config.describe("batch_size")
+    assert batch.metavar == "INTEGER"
+    assert "[default: 500; ≥ 1; ≤ 10000; env: OUTBOX_BATCH_SIZE]" in batch.help
+    assert config.describe("synchronous_commit").metavar == "BOOLEAN"
+    assert "default: false" in config.describe("synchronous_commit").help
+    amqp = config.describe("amqp_url")
+    assert "guest:***@" in amqp.help
+    assert "guest:guest" not in amqp.help
+    assert "default" not in config.describe("relay_name").help.split("[", 1)[1]  # host:pid
+
+
+def test_every_relay_setting_is_a_flag_of_run() -> None:
+    from relay.cli import base
+
+    assert set(base.CONNECTION) | set(base.RELAY_KNOBS) == set(config.Settings.model_fields)
