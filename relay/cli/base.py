@@ -11,7 +11,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 from click.exceptions import NoArgsIsHelpError
 
-from relay.core import config, errors
+from relay.core import config, errors, values
 from relay.postgres import admin
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -62,7 +62,7 @@ def fail_cleanly(command: F) -> F:
 
 
 def die(message: str, code: int) -> NoReturn:
-    click.echo(f"outbox-relay: error: {config.redact_secrets(message)}", err=True)
+    click.echo(f"outbox-relay: error: {values.redact_secrets(message)}", err=True)
     sys.exit(code)
 
 

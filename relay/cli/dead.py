@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from relay.cli.base import die, fail_cleanly, operator, settings_options
-from relay.core import config, errors, model, render
+from relay.core import errors, model, render, values
 from relay.core.filters import DeadFilter
 from relay.postgres import admin
 
@@ -311,7 +311,7 @@ def archive_stats(exact: bool, as_json: bool, **flags: Any) -> None:
 def archive_prune(older_than: str, batch: int, dry_run: bool, **flags: Any) -> None:
     """Delete old archived rows in small paced batches (safe while relays run)."""
     try:
-        age = timedelta(seconds=config.parse_duration(older_than))
+        age = timedelta(seconds=values.parse_duration(older_than))
     except ValueError as exc:
         raise errors.InvalidArgument(f"--older-than: {exc}") from None
     with operator(flags) as ops:

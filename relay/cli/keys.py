@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from relay.cli.base import fail_cleanly, operator, settings_options
-from relay.core import config, errors
+from relay.core import errors, values
 from relay.postgres import admin
 
 
@@ -103,7 +103,7 @@ def keys_policy_set(
 ) -> None:
     """Create or change the policy of keys starting with PREFIX ('' for the default)."""
     try:
-        interval = None if min_interval is None else config.parse_duration(min_interval)
+        interval = None if min_interval is None else values.parse_duration(min_interval)
     except ValueError as exc:
         raise errors.InvalidArgument(f"--min-interval: {exc}") from None
     with operator(flags) as ops:

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import click
 
 from relay.cli.base import Group, fail_cleanly, settings_options
-from relay.core import config, errors
+from relay.core import config, errors, values
 from relay.core.filters import when
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -136,7 +136,7 @@ def _cutoff(older_than: str, until: str | None) -> datetime:
     if until is not None:
         return when(until)
     try:
-        return datetime.now(UTC) - timedelta(seconds=config.parse_duration(older_than))
+        return datetime.now(UTC) - timedelta(seconds=values.parse_duration(older_than))
     except ValueError as exc:
         raise errors.InvalidArgument(f"--older-than: {exc}") from None
 

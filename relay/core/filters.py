@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID
 
-from relay.core import config, errors
+from relay.core import errors, values
 
 
 def glob_to_like(pattern: str) -> str:
@@ -28,7 +28,7 @@ def when(value: str | datetime | timedelta, now: datetime | None = None) -> date
     if isinstance(value, datetime):
         return value if value.tzinfo else value.replace(tzinfo=UTC)
     try:
-        return now - timedelta(seconds=config.parse_duration(value))
+        return now - timedelta(seconds=values.parse_duration(value))
     except ValueError:
         pass
     try:

@@ -9,12 +9,12 @@ from typing import Any
 
 from pythonjsonlogger.json import JsonFormatter
 
-from relay.core import config
+from relay.core import values
 
 
 class _TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        return config.redact_secrets(super().format(record))
+        return values.redact_secrets(super().format(record))
 
 
 class _JsonLines(JsonFormatter):
@@ -22,7 +22,7 @@ class _JsonLines(JsonFormatter):
     (message_id, attempt, reason, …) passed to the logger as `extra`."""
 
     def format(self, record: logging.LogRecord) -> str:
-        return config.redact_secrets(super().format(record))
+        return values.redact_secrets(super().format(record))
 
 
 def configure(level: str = "INFO", fmt: str = "auto") -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 import psycopg.errors
 
-from relay.core import config, errors
+from relay.core import errors, values
 from relay.postgres import pg, roles, sql
 
 _FILE = re.compile(r"(\d{4})_(\w+)\.sql")
@@ -68,7 +68,7 @@ def migrate(conninfo: str, schema: str, migrations: list[Migration] | None = Non
     the second waits for the first and then finds nothing to do. Each file runs in its own
     transaction, recorded with its checksum; an applied file that changed since is refused.
     Raises DatabaseUnavailable or MigrationError."""
-    config.check_identifier(schema)
+    values.check_identifier(schema)
     todo = discover() if migrations is None else migrations
     q = sql.load(schema)
     try:

@@ -10,7 +10,7 @@ import psycopg
 import psycopg.errors
 import psycopg_pool
 
-from relay.core import config, errors
+from relay.core import errors, values
 
 #: Every session the relay opens carries this name, so operators can find (and kill) them.
 APPLICATION_NAME = "outbox-relay"
@@ -42,7 +42,7 @@ def translate_errors(schema: str) -> Iterator[None]:
 def session(conninfo: str, schema: str, purpose: str) -> Iterator[psycopg.Connection[Any]]:
     """An autocommit connection for one operator session, named `outbox-relay <purpose>` in
     pg_stat_activity; ConfigError for a bad schema name, DatabaseUnavailable if unreachable."""
-    config.check_identifier(schema)
+    values.check_identifier(schema)
     with translate_errors(schema):
         conn = psycopg.connect(
             conninfo, autocommit=True, application_name=f"{APPLICATION_NAME} {purpose}"

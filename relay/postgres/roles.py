@@ -8,7 +8,7 @@ from typing import Any, LiteralString, cast
 
 import psycopg
 
-from relay.core import config, errors
+from relay.core import errors, values
 from relay.postgres import pg
 
 #: The jobs, in the order `roles` reports them.
@@ -30,7 +30,7 @@ class Roles:
 
 def names(schema: str) -> Roles:
     """`<schema>_producer`, `<schema>_relay`, `<schema>_operator`. ConfigError if too long."""
-    config.check_identifier(schema)
+    values.check_identifier(schema)
     producer, relay, operator = (f"{schema}_{job}" for job in JOBS)
     if len(operator) > 63:  # PostgreSQL would silently truncate the name
         raise errors.ConfigError(

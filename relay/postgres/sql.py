@@ -9,7 +9,7 @@ from functools import cache
 from importlib import resources
 from typing import LiteralString, cast
 
-from relay.core import config, errors
+from relay.core import errors, values
 
 _HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 
@@ -92,13 +92,13 @@ def _strip(body: str) -> str:
 
 def new_channel(schema: str) -> str:
     """The NOTIFY channel enqueue signals (the functions compute the same name in SQL)."""
-    return f"{config.check_identifier(schema)}_new"
+    return f"{values.check_identifier(schema)}_new"
 
 
 @cache
 def load(schema: str = "outbox") -> Queries:
     """The queries bound to `schema`. ConfigError if the name is unsafe."""
-    quoted_schema = f'"{config.check_identifier(schema)}"'
+    quoted_schema = f'"{values.check_identifier(schema)}"'
     quoted_channel = f'"{new_channel(schema)}"'
     named: dict[str, str] = {}
     folder = resources.files("relay.postgres").joinpath("queries")

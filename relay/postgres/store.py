@@ -17,7 +17,7 @@ import psycopg
 import psycopg_pool
 from psycopg.rows import namedtuple_row
 
-from relay.core import config, errors, model
+from relay.core import errors, model, values
 from relay.postgres import pg, sql
 from relay.postgres.pg import translate_errors
 
@@ -164,7 +164,7 @@ class PgStore:
         """Open a pool and check the schema exists. Raises DatabaseUnavailable or SchemaMissing.
         Claims are always durable before they return; without `synchronous_commit`, settles do
         not wait for the WAL flush (unless they record a re-send)."""
-        config.check_identifier(schema)
+        values.check_identifier(schema)
         with translate_errors(schema):
             # One direct connection first: a pool only says "timed out", libpq says why.
             probe = await psycopg.AsyncConnection.connect(

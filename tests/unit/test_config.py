@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from relay.core import config, errors
+from relay.core import config, errors, values
 
 
 def test_defaults_match_the_documented_contract() -> None:
@@ -41,24 +41,24 @@ def test_environment_then_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     ],
 )
 def test_durations(text: object, seconds: float) -> None:
-    assert config.parse_duration(text) == seconds
+    assert values.parse_duration(text) == seconds
 
 
 @pytest.mark.parametrize("text", ["soon", "-1s", "1w", "", "1.2.3", True])
 def test_bad_durations(text: object) -> None:
     with pytest.raises(ValueError, match="not a duration"):
-        config.parse_duration(text)
+        values.parse_duration(text)
 
 
 @pytest.mark.parametrize("name", ["outbox", "Outbox_2", "_x", "a" * 59])
 def test_good_identifiers(name: str) -> None:
-    assert config.check_identifier(name) == name
+    assert values.check_identifier(name) == name
 
 
 @pytest.mark.parametrize("name", ['a"b', "a b", "1a", "", "a" * 60, "pg_toast", "PG_x", "é", "a;b"])
 def test_bad_identifiers(name: str) -> None:
     with pytest.raises(errors.ConfigError, match="invalid schema name"):
-        config.check_identifier(name)
+        values.check_identifier(name)
 
 
 def test_secrets_never_appear_in_the_settings_repr() -> None:
@@ -92,7 +92,7 @@ def test_secrets_never_appear_in_the_settings_repr() -> None:
     ],
 )
 def test_redaction(text: str, expected: str) -> None:
-    assert config.redact_secrets(text) == expected
+    assert values.redact_secrets(text) == expected
 
 
 def test_errors_name_the_environment_variable() -> None:

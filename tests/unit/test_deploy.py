@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from relay.cli import commands as cli
-from relay.core import config
+from relay.core import config, values
 from relay.ops import metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -160,7 +160,7 @@ def test_deployment_is_wired_for_probes_scraping_and_graceful_stops() -> None:
     known = {config.env_name(f) for f in config.Settings.model_fields}
     assert set(settings) <= known
     assert not {"OUTBOX_DATABASE_URL", "OUTBOX_AMQP_URL"} & set(settings)  # secrets stay secret
-    grace = config.parse_duration(settings["OUTBOX_SHUTDOWN_TIMEOUT"])
+    grace = values.parse_duration(settings["OUTBOX_SHUTDOWN_TIMEOUT"])
     assert pod["spec"]["terminationGracePeriodSeconds"] > grace
     job = docs["Job"]["spec"]["template"]["spec"]
     assert [c["args"] for c in [*job["initContainers"], *job["containers"]]] == [
