@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -20,6 +18,8 @@ from psycopg.rows import namedtuple_row
 from relay.core import errors, model, values
 from relay.postgres import pg, sql
 from relay.postgres.pg import translate_errors
+from relay.postgres.rows import settle_params, to_message
+from relay.postgres.window import Window
 
 #: How long an operation waits for a pooled connection before the database counts as unavailable.
 POOL_WAIT = 3.0
@@ -32,18 +32,6 @@ CHUNK = 1000
 SEGMENTS = 4
 
 
-#: A relay walks the whole ready lane at least this often (seconds): rows a window had to leave
-#: behind are found then — only those held past STRAGGLER_WAIT by a claim that then rolled back
-#: (a relay stalled mid-claim, then cut off), which is rare; the walk reads every row of the
-#: lane (up to 4 segments of 131,072), which is not free, so not often.
-FULL_PASS_EVERY = 300.0
-#: A relay closes most windows without looking whether a row in them is still unclaimed (one it
-#: skipped while another relay's claim held it, should that claim roll back); this often
-#: (seconds) it walks again, and verifies, all it closed so since.
-VERIFY_EVERY = 1.0
-#: How long a window may stay open because a row in it is held by someone else's claim that has
-#: not committed (seconds) before the relay moves on; the next full pass finds the row.
-STRAGGLER_WAIT = 2.0
 #: The ready lane's orphans are looked for among leases that ran out since the last look; at
 #: least this often (seconds), among all of them (a row skipped while another session held it).
 FULL_ORPHAN_PASS_EVERY = 300.0
@@ -53,76 +41,6 @@ FULL_ORPHAN_PASS_EVERY = 300.0
 #: full pass. Going back a whole lease, as the first version did, looked at every claim three
 #: times (a look every half lease) and held the loop 50 ms every 5 s at 2,000 messages/s.
 LATE_COMMIT = 2.0
-WHOLE_LANE = "1:1:"
-
-
-@dataclasses.dataclass(slots=True)
-class Window:
-    """Where this relay is in the ready lane (docs/decisions/0004): the window of transactions
-    that committed after snapshot `prev` and before `hi` (None: the next claim opens one), and
-    the cursor in it. A new relay's first window covers the whole lane, and so does one at least
-    every FULL_PASS_EVERY seconds; every VERIFY_EVERY seconds one covers again, and verifies, the
-    windows closed unverified since."""
-
-    clock: Callable[[], float] = time.monotonic
-    prev: str = WHOLE_LANE
-    hi: str | None = None
-    xid: str = "0"
-    id: int = 0
-    ready_first: bool = False
-    verifying: bool = False  # the open window is closed only once nothing in it is unclaimed
-    unverified: str | None = None  # where the windows closed unverified since begin
-    verify_at: float = 0.0
-    full_pass_at: float | None = None  # when the last window over the whole lane opened
-    stuck_since: float | None = None  # since when a row in the window is held by someone else
-
-    def params(self) -> dict[str, Any]:
-        now = self.clock()
-        if self.hi is None:
-            if self.full_pass_at is None or now - self.full_pass_at >= FULL_PASS_EVERY:
-                self.prev, self.full_pass_at, self.unverified = WHOLE_LANE, now, None
-                self.verifying = True
-            elif self.unverified is not None and now >= self.verify_at:
-                self.prev, self.unverified, self.verifying = self.unverified, None, True
-        self.ready_first = not self.ready_first  # the lanes take turns to go first
-        return {
-            "prev": self.prev,
-            "hi": self.hi,
-            "xid": self.xid,
-            "cursor": self.id,
-            "ready_first": self.ready_first,
-            "verify": self.verifying,
-        }
-
-    def moved(self, trailer: Any) -> None:
-        """Take the window's state from a claim's trailer row."""
-        if trailer.window_closed:
-            self._close(trailer.window_hi)
-            return
-        # A window left open moved its cursor forward, or found a row in it still unclaimed (held
-        # by another relay's claim that has not committed): the cursor went back to it, or stayed
-        # there. Only moving forward is progress: a claim held open for minutes (a relay stalled
-        # mid-claim) must not keep every relay's window open for as long.
-        moved_on = (int(trailer.window_xid), trailer.window_id) > (int(self.xid), self.id)
-        self.hi, self.xid, self.id = trailer.window_hi, str(trailer.window_xid), trailer.window_id
-        if moved_on:
-            self.stuck_since = None
-        elif self.stuck_since is None:
-            self.stuck_since = self.clock()
-        elif self.clock() - self.stuck_since >= STRAGGLER_WAIT:
-            self._close(trailer.window_hi)  # the full pass will find what is held
-
-    def forget(self) -> None:
-        """After an outage (the server may have restarted): walk the whole lane next, from its
-        start."""
-        self.hi, self.full_pass_at, self.xid, self.id = None, None, "0", 0
-        self.stuck_since, self.verifying = None, False
-
-    def _close(self, hi: str) -> None:
-        if not self.verifying and self.unverified is None:
-            self.unverified, self.verify_at = self.prev, self.clock() + VERIFY_EVERY
-        self.prev, self.hi, self.xid, self.id = hi, None, "0", 0
-        self.stuck_since, self.verifying = None, False
 
 
 class PgStore:
@@ -239,12 +157,12 @@ class PgStore:
         slow = [row for row in rows if row.lane == "messages"]
         ready = sum(row.lane == "ready" for row in rows)
         cut_short = (bool(slow) and slow[0].locked > len(slow)) or trailer.locked > ready
-        return model.Claim(claim_id, tuple(_message(row) for row in rows), cut_short)
+        return model.Claim(claim_id, tuple(to_message(row) for row in rows), cut_short)
 
     async def claim_orphans(self, limit: int, lease: float, max_attempts: int) -> model.Claim:
         params = {**self._claim_params(limit, lease), "max_attempts": max_attempts}
         rows = await self._fetch(self._q.claim_orphans, params)
-        return model.Claim(params["claim_id"], tuple(_message(row) for row in rows))
+        return model.Claim(params["claim_id"], tuple(to_message(row) for row in rows))
 
     def _claim_params(self, limit: int, lease: float) -> dict[str, Any]:
         return {
@@ -323,7 +241,7 @@ class PgStore:
         # a crash would lose a send from `attempts + ambiguous`, the bound on the sends.
         durable = self._synchronous_commit or bool(settlement.resent)
         async with self._connection() as conn:
-            cur = await conn.execute(self._q.settle, _settle_params(claim_id, settlement, durable))
+            cur = await conn.execute(self._q.settle, settle_params(claim_id, settlement, durable))
             archived, dead, retried, released, blocked = await _one(cur)
         fenced = settlement.size - archived - dead - retried
         return model.SettleCounts(archived, dead, retried, fenced, released, blocked)
@@ -334,7 +252,7 @@ class PgStore:
         durable = self._synchronous_commit or bool(settlement.resent)
         async with self._claiming:
             params = {
-                **_settle_params(claim_id, settlement, durable),
+                **settle_params(claim_id, settlement, durable),
                 **self._claim_params(limit, lease),
                 **self._window.params(),
             }
@@ -480,50 +398,3 @@ async def _one(cur: psycopg.AsyncCursor[Any]) -> Any:
     row = await cur.fetchone()
     assert row is not None  # aggregate queries always return one row
     return row
-
-
-def _message(row: Any) -> model.OutboxMessage:
-    """A claimed row as a message. JSON that will not decode (a row edited by hand, nesting deeper
-    than Python's parser goes) marks this one message invalid instead of failing the claim."""
-    invalid = None
-    try:
-        headers, properties = json.loads(row.headers), json.loads(row.properties)
-    except (ValueError, RecursionError) as exc:
-        headers, properties = {}, {}
-        invalid = f"stored headers or properties cannot be decoded: {type(exc).__name__}"
-    return model.OutboxMessage(
-        id=row.id,
-        message_id=row.message_id,
-        exchange=row.exchange,
-        routing_key=row.routing_key,
-        body=bytes(row.body),
-        headers=headers,
-        properties=properties,
-        ordering_key=row.ordering_key,
-        created_at=row.created_at,
-        attempts=row.attempts,
-        ambiguous=row.ambiguous,
-        last_error=row.last_error,
-        invalid=invalid,
-        seq=row.seq,
-        replays=row.replays,
-        replayed_at=row.replayed_at,
-        replayed_from=row.replayed_from,
-    )
-
-
-def _settle_params(claim_id: UUID, settlement: model.Settlement, durable: bool) -> dict[str, Any]:
-    return {
-        "claim_id": claim_id,
-        "archive": list(settlement.archive),
-        "dead": [d.id for d in settlement.dead],
-        "reasons": [d.reason.value for d in settlement.dead],
-        "details": [d.detail for d in settlement.dead],
-        "retry": [r.id for r in settlement.retry],
-        "delays": [r.delay for r in settlement.retry],
-        "errors": [r.error for r in settlement.retry],
-        "refunds": [r.refund for r in settlement.retry],
-        "ambiguous": [r.ambiguous for r in settlement.retry],
-        "resent": list(settlement.resent),
-        "durable": durable,
-    }

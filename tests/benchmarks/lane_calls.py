@@ -29,8 +29,7 @@ from psycopg.rows import namedtuple_row
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from relay.core import model
-from relay.postgres import sql
-from relay.postgres import store as pgstore
+from relay.postgres import rows, sql
 from tests.support import services
 
 SEGMENT = 131072  # ids per segment of the ring (sql/0015_ready_lane.sql, _seg)
@@ -96,7 +95,7 @@ class Cycle:
 
     def _settle(self, claim_id: uuid.UUID, ids: list[int]) -> None:
         # The relay's own parameters for a settle that archives them all.
-        params = pgstore._settle_params(claim_id, model.Settlement(archive=tuple(ids)), True)
+        params = rows.settle_params(claim_id, model.Settlement(archive=tuple(ids)), True)
         archived = self.relay.execute(self.queries.settle, params).fetchone()
         if archived is None or archived[0] != len(ids):
             raise SystemExit(f"settled {archived}, not {len(ids)}")

@@ -15,7 +15,8 @@ import psycopg
 import pytest
 
 from relay.core import model
-from relay.postgres.store import STRAGGLER_WAIT, PgStore
+from relay.postgres.store import PgStore
+from relay.postgres.window import STRAGGLER_WAIT
 from tests.support.inprocess import query
 
 pytestmark = pytest.mark.asyncio

@@ -8,12 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from relay.postgres.store import (
-    FULL_ORPHAN_PASS_EVERY,
-    FULL_PASS_EVERY,
-    LATE_COMMIT,
-    STRAGGLER_WAIT,
-)
+from relay.postgres.store import FULL_ORPHAN_PASS_EVERY, LATE_COMMIT
+from relay.postgres.window import FULL_PASS_EVERY, STRAGGLER_WAIT
 from tests.interleavings.world import LEASE, World, reset
 
 

@@ -28,6 +28,7 @@ from psycopg import sql as pgsql
 
 import relay
 from relay.core import errors, loop, model
+from relay.postgres import rows
 from relay.postgres import store as pgstore
 from relay.postgres.sql import load
 from tests.interleavings.ledger import Ledger, RowNow, Send, outcome
@@ -483,7 +484,7 @@ class World:
         conn = await connect(self.url, call.actor.name)
         await conn.execute(load().relay_session)
         await conn.set_autocommit(False)
-        params = pgstore._settle_params(call.claim_id, call.settlement, True)  # type: ignore[arg-type]
+        params = rows.settle_params(call.claim_id, call.settlement, True)  # type: ignore[arg-type]
 
         async def settle() -> Any:
             cur = await conn.execute(load().settle, params)

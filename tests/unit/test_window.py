@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from relay.postgres.store import STRAGGLER_WAIT, WHOLE_LANE, Window
+from relay.postgres.window import STRAGGLER_WAIT, WHOLE_LANE, Window
 
 
 class Clock:
