@@ -9,7 +9,7 @@ import logging
 import re
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -20,7 +20,7 @@ import aiormq.abc
 import aiormq.exceptions
 from pamqp import commands
 
-from relay.amqp import encoding
+from relay.amqp import encoding, outcomes
 from relay.amqp import frames as wire
 from relay.amqp.encoding import Encoded, InvalidRow
 from relay.core import errors, model
@@ -32,18 +32,7 @@ Reason = model.DeadReason
 
 #: How long an exchange seen to exist is trusted before it is checked again.
 EXCHANGE_TTL = 30.0
-#: The broker or the network failing (as opposed to our code).
-_BROKER_ERRORS = (
-    aiormq.exceptions.AMQPError,
-    aiormq.exceptions.ChannelInvalidStateError,
-    ConnectionError,
-    OSError,
-    TimeoutError,
-)
-#: Errors after which a message may or may not have reached the broker.
-_CONNECTION_ERRORS = (*_BROKER_ERRORS, asyncio.CancelledError)
 _NAMED_EXCHANGE = re.compile(r"exchange '((?:[^'\\]|\\.)*)'")
-_SIZE_LIMIT = re.compile(r"message size \d+ is larger than configured max size (\d+)")
 
 Results = dict[int, model.PublishResult]
 
@@ -141,9 +130,11 @@ class AmqpPublisher:
             self._connection = connection
             self._frame_max = _frame_max(connection)
             self._unblocked = _unblocked_event(connection)
-        except (*_CONNECTION_ERRORS, RuntimeError) as exc:
+        except (*outcomes.CONNECTION_ERRORS, RuntimeError) as exc:
             await self.close()
-            raise errors.BrokerUnavailable(f"RabbitMQ unavailable: {_describe(exc)}") from exc
+            raise errors.BrokerUnavailable(
+                f"RabbitMQ unavailable: {outcomes.describe(exc)}"
+            ) from exc
         if self._unblocked is None:
             log.warning(
                 "cannot see connection.blocked on this aiormq version; "
@@ -157,7 +148,7 @@ class AmqpPublisher:
         connection, self._connection = self._connection, None
         self._channel = self._probe = None
         if connection is not None and not connection.is_closed:
-            with contextlib.suppress(*_CONNECTION_ERRORS, RuntimeError):
+            with contextlib.suppress(*outcomes.CONNECTION_ERRORS, RuntimeError):
                 await asyncio.wait_for(connection.close(), self._connect_timeout)
 
     async def publish(
@@ -192,7 +183,7 @@ class AmqpPublisher:
                 Outcome.NO_EXCHANGE, f"no exchange '{message.exchange}' on the broker"
             )
         if self._max_message_size is not None and len(message.body) > self._max_message_size:
-            return _rejected(
+            return outcomes.rejected(
                 Reason.TOO_LARGE,
                 f"{len(message.body)} bytes; the broker's max_message_size is "
                 f"{self._max_message_size}",
@@ -221,10 +212,10 @@ class AmqpPublisher:
                 try:
                     await self.connect()
                 except errors.BrokerUnavailable as exc:
-                    final.update({i: _ambiguous(str(exc), i in resent) for i in todo})
+                    final.update({i: outcomes.ambiguous(str(exc), i in resent) for i in todo})
                     break
             if not still_held():  # after reconnecting, which can take a while: right before writing
-                final.update({i: _not_held(round_) for i in todo})
+                final.update({i: outcomes.not_held(round_) for i in todo})
                 break
             one_by_one = round_ == 2 or (round_ == 1 and not blamed)
             skipped: set[int] = set()
@@ -245,7 +236,7 @@ class AmqpPublisher:
             blamed = self._blame(error, messages, unconfirmed)
             log.warning(
                 "the broker closed the publish channel (%s); %d culprit(s) named, re-sending %d",
-                _describe(error),
+                outcomes.describe(error),
                 len(blamed),
                 len(unconfirmed) - len(blamed),
             )
@@ -264,26 +255,32 @@ class AmqpPublisher:
         Also returns the channel error, if the broker closed the channel."""
         channel = self._channel
         if channel is None or channel.is_closed:
-            return {i: _ambiguous("the channel closed before publishing") for i in todo}, None
-        clock = _Stopwatch()
+            return {
+                i: outcomes.ambiguous("the channel closed before publishing") for i in todo
+            }, None
+        clock = outcomes.Stopwatch()
         if wire.usable(channel):
             try:
                 confirms = await self._write_batch(channel, messages, todo)
-            except _CONNECTION_ERRORS as exc:
-                why = f"the channel closed before publishing: {_describe(exc)}"
-                return {i: _ambiguous(why) for i in todo}, None
+            except outcomes.CONNECTION_ERRORS as exc:
+                why = f"the channel closed before publishing: {outcomes.describe(exc)}"
+                return {i: outcomes.ambiguous(why) for i in todo}, None
             tasks = {i: clock.watch(i, c) for i, c in zip(todo, confirms, strict=True)}
         else:
             tasks = {i: clock.watch(i, _send(channel, messages[i], e)) for i, e in todo.items()}
-        await _wait_all(list(tasks.values()), self._confirm_timeout, abort)
+        await outcomes.wait_all(list(tasks.values()), self._confirm_timeout, abort)
         results = {
-            i: clock.time(i, _outcome(t, self._confirm_timeout, abort)) for i, t in tasks.items()
+            i: clock.time(i, outcomes.outcome(t, self._confirm_timeout, abort))
+            for i, t in tasks.items()
         }
-        error = _channel_error(tasks.values())
+        error = outcomes.channel_error(tasks.values())
         if not self.connected:
             # aiormq may still write queued frames on a channel the broker closed, which makes the
             # broker close the whole connection: start again on a fresh one.
-            log.warning("lost the publish channel: %s", _describe(error or _any_error(tasks)))
+            log.warning(
+                "lost the publish channel: %s",
+                outcomes.describe(error or outcomes.any_error(tasks)),
+            )
             await self.close()
         return results, error
 
@@ -300,26 +297,26 @@ class AmqpPublisher:
         skipped: set[int] = set()
         for i, encoded in todo.items():
             if abort.is_set():
-                results[i] = _ambiguous("the relay is stopping")
+                results[i] = outcomes.ambiguous("the relay is stopping")
                 skipped.add(i)
                 continue
             try:
                 await self.connect()
             except errors.BrokerUnavailable as exc:
-                results[i] = _ambiguous(str(exc))
+                results[i] = outcomes.ambiguous(str(exc))
                 continue
             if not still_held():  # right before writing, after a reconnect that may have waited
-                results[i] = _ambiguous(_NOT_HELD)
+                results[i] = outcomes.ambiguous(outcomes.NOT_HELD)
                 skipped.add(i)
                 continue
             assert self._channel is not None
-            clock = _Stopwatch()
+            clock = outcomes.Stopwatch()
             task = clock.watch(i, _send(self._channel, messages[i], encoded))
-            await _wait_all([task], self._confirm_timeout, abort)
-            error = _channel_error([task])
-            results[i] = clock.time(i, _outcome(task, self._confirm_timeout, abort))
+            await outcomes.wait_all([task], self._confirm_timeout, abort)
+            error = outcomes.channel_error([task])
+            results[i] = clock.time(i, outcomes.outcome(task, self._confirm_timeout, abort))
             if error is not None:
-                results[i] = self._blame(error, messages, [i]).get(i) or _refusal(error)
+                results[i] = self._blame(error, messages, [i]).get(i) or outcomes.refusal(error)
             if not self.connected:
                 await self.close()
         return results, skipped
@@ -334,7 +331,7 @@ class AmqpPublisher:
         no exchange and no size (then only publishing them one by one can tell)."""
         text = str(error)
         named = _NAMED_EXCHANGE.search(text)
-        size = _SIZE_LIMIT.search(text)
+        size = outcomes.SIZE_LIMIT.search(text)
         if size is not None:
             self._max_message_size = int(size[1])
             blamed = [i for i in suspects if len(messages[i].body) > self._max_message_size]
@@ -344,7 +341,7 @@ class AmqpPublisher:
             blamed = [i for i in suspects if messages[i].exchange == named[1]]
         else:
             blamed = []
-        return {i: _refusal(error) for i in blamed}
+        return {i: outcomes.refusal(error) for i in blamed}
 
     async def _missing_exchanges(self, names: set[str], abort: asyncio.Event) -> set[str]:
         """Which of `names` do not exist, by passive declare (the default exchange always does).
@@ -361,7 +358,7 @@ class AmqpPublisher:
                     missing.add(name)
 
         checking = asyncio.ensure_future(check())
-        await _wait_all([checking], self._confirm_timeout, abort)
+        await outcomes.wait_all([checking], self._confirm_timeout, abort)
         if checking.cancelled():
             log.warning(
                 "exchange check unfinished after %gs or at shutdown; publishing unchecked",
@@ -376,8 +373,8 @@ class AmqpPublisher:
             await probe.get_exchange(name, ensure=True)
         except aiormq.exceptions.ChannelNotFoundEntity:
             return False
-        except (*_BROKER_ERRORS, RuntimeError) as exc:
-            log.debug("could not check exchange %r: %s", name, _describe(exc))
+        except (*outcomes.BROKER_ERRORS, RuntimeError) as exc:
+            log.debug("could not check exchange %r: %s", name, outcomes.describe(exc))
         return True
 
     async def _probe_channel(self) -> aio_pika.abc.AbstractChannel:
@@ -412,25 +409,6 @@ class AmqpPublisher:
         return encoding.encode(message, login=self._login, frame_max=self._frame_max)
 
 
-class _Stopwatch:
-    """When each publish of a batch started and when its confirm came, for the latency metrics."""
-
-    def __init__(self) -> None:
-        self._started = time.monotonic()
-        self._done: dict[int, tuple[float, float]] = {}
-
-    def watch(self, i: int, sending: Awaitable[Any]) -> asyncio.Future[Any]:
-        task = asyncio.ensure_future(sending)
-        task.add_done_callback(lambda _: self._done.setdefault(i, (time.monotonic(), time.time())))
-        return task
-
-    def time(self, i: int, result: model.PublishResult) -> model.PublishResult:
-        if result.outcome is not Outcome.ACKED or i not in self._done:
-            return result
-        done, wall = self._done[i]
-        return dataclasses.replace(result, seconds=done - self._started, confirmed_at=wall)
-
-
 async def _send(
     channel: aiormq.abc.AbstractChannel, message: model.OutboxMessage, encoded: Encoded
 ) -> Any:
@@ -444,99 +422,8 @@ async def _send(
     )
 
 
-async def _wait_all(tasks: list[asyncio.Future[Any]], seconds: float, abort: asyncio.Event) -> None:
-    """Wait until every task is done, `seconds` pass or `abort` is set; cancel the stragglers."""
-    everything = asyncio.ensure_future(asyncio.wait(tasks))
-    aborted = asyncio.ensure_future(abort.wait())
-    try:
-        await asyncio.wait(
-            {everything, aborted}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED
-        )
-    finally:
-        everything.cancel()
-        aborted.cancel()
-    pending = [t for t in tasks if not t.done()]
-    for task in pending:
-        task.cancel()
-    await asyncio.gather(*pending, return_exceptions=True)
-
-
-def _outcome(
-    task: asyncio.Future[Any], timeout: float, abort: asyncio.Event
-) -> model.PublishResult:
-    if task.cancelled():
-        why = "the relay is stopping" if abort.is_set() else f"no confirm within {timeout:g}s"
-        return _ambiguous(why)
-    exc = task.exception()
-    if exc is None:
-        return model.PublishResult(Outcome.ACKED)
-    if isinstance(exc, aiormq.exceptions.PublishError):
-        returned = getattr(exc.message, "delivery", None)
-        return model.PublishResult(
-            Outcome.RETURNED,
-            f"returned by the broker: {getattr(returned, 'reply_code', '?')} "
-            f"{getattr(returned, 'reply_text', '?')}",
-        )
-    if isinstance(exc, aiormq.exceptions.DeliveryError):
-        return model.PublishResult(Outcome.NACKED, "the broker nacked the message")
-    if isinstance(exc, _CONNECTION_ERRORS):
-        return _ambiguous(f"connection or channel lost before the confirm: {_describe(exc)}")
-    return model.PublishResult(Outcome.FAILED, f"unexpected error: {_describe(exc)}")
-
-
-def _refusal(error: aiormq.exceptions.ChannelClosed) -> model.PublishResult:
-    """The final outcome of a message the broker closed the channel over."""
-    text = _describe(error)
-    if isinstance(error, aiormq.exceptions.ChannelNotFoundEntity) and "no exchange" in str(error):
-        return model.PublishResult(Outcome.NO_EXCHANGE, text)
-    if isinstance(error, aiormq.exceptions.ChannelAccessRefused):
-        return _rejected(Reason.ACCESS_REFUSED, text)
-    if _SIZE_LIMIT.search(str(error)):
-        return _rejected(Reason.TOO_LARGE, text)
-    return _rejected(Reason.REJECTED, text)
-
-
-def _rejected(reason: model.DeadReason, detail: str) -> model.PublishResult:
-    return model.PublishResult(Outcome.REJECTED, detail, reason=reason)
-
-
-def _ambiguous(detail: str, resent: bool = False) -> model.PublishResult:
-    return model.PublishResult(Outcome.AMBIGUOUS, detail, resent=resent)
-
-
-_NOT_HELD = "not written: the relay can no longer be sure it holds the lease"
-
-
 def _always() -> bool:
     return True
-
-
-def _not_held(round_: int) -> model.PublishResult:
-    """A message not written because the lease may be gone: UNSENT if it never was, else
-    AMBIGUOUS (an earlier write may have arrived; twice written from the third round on)."""
-    if round_ == 0:
-        return model.PublishResult(Outcome.UNSENT, _NOT_HELD)
-    return _ambiguous(f"{_NOT_HELD} again", resent=round_ >= 2)
-
-
-def _channel_error(tasks: Any) -> aiormq.exceptions.ChannelClosed | None:
-    """The broker's channel-close error among the tasks' failures, if it closed the channel."""
-    for task in tasks:
-        if not task.cancelled() and isinstance(task.exception(), aiormq.exceptions.ChannelClosed):
-            return task.exception()  # type: ignore[no-any-return]
-    return None
-
-
-def _any_error(tasks: Mapping[int, asyncio.Future[Any]]) -> BaseException:
-    for task in tasks.values():
-        if not task.cancelled() and task.exception() is not None:
-            return task.exception()  # type: ignore[return-value]
-    return RuntimeError("unknown reason")
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _frame_max(connection: aio_pika.abc.AbstractConnection) -> int:
