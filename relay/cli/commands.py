@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from relay import __version__, app
+from relay.cli import archive as cli_archive
 from relay.cli import dead as cli_dead
 from relay.cli import demo
 from relay.cli import keys as cli_keys
@@ -198,7 +199,7 @@ def demo_command(count: int | None, interval: float, **flags: Any) -> None:
 
 
 main.add_command(cli_dead.dead)
-main.add_command(cli_dead.archive)
+main.add_command(cli_archive.archive)
 main.add_command(cli_pipeline.pipeline)
 main.add_command(cli_lane.lane)
 main.add_command(cli_keys.keys)

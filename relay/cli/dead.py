@@ -1,22 +1,19 @@
-"""`outbox-relay dead …` and `archive …`: a thin layer over the dead-letter and archive API."""
+"""`outbox-relay dead …`: list, show, stats, replay and purge dead letters (over Admin)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from datetime import UTC, datetime, timedelta
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import click
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from relay.cli.base import die, fail_cleanly, operator, settings_options
-from relay.core import errors, model, render, values
+from relay.cli import output
+from relay.cli.base import fail_cleanly, operator, settings_options
+from relay.core import errors, model, render
 from relay.core.filters import DeadFilter
 from relay.postgres import admin
 
@@ -102,10 +99,10 @@ def dead_list(limit: int, as_json: bool, as_jsonl: bool, **flags: Any) -> None:
         rows = ops.dead_list(where, limit)
         more = ops.dead_count(where) - len(rows) if len(rows) == limit else 0
     if as_json:
-        click.echo(json.dumps([_record(r) for r in rows], indent=2, sort_keys=True))
+        click.echo(json.dumps([output.record(r) for r in rows], indent=2, sort_keys=True))
     elif as_jsonl:
         for row in rows:
-            click.echo(json.dumps(_record(row), sort_keys=True))
+            click.echo(json.dumps(output.record(row), sort_keys=True))
     elif rows:
         _table(rows)
         if more:
@@ -128,7 +125,7 @@ def dead_show(message_id: str, full: bool, as_json: bool, **flags: Any) -> None:
     if message is None:
         raise errors.RelayError(f"no dead letter with message_id {wanted}")
     body = render.body(message.body, None if full else BODY_PREVIEW)
-    record = _record(message) | {"body": dataclasses.asdict(body)}
+    record = output.record(message) | {"body": dataclasses.asdict(body)}
     if as_json:
         click.echo(json.dumps(record, indent=2, sort_keys=True))
         return
@@ -148,7 +145,7 @@ def dead_show(message_id: str, full: bool, as_json: bool, **flags: Any) -> None:
         "replayed_at",
         "replayed_from",
     ):
-        click.echo(f"{name:<14} {render.printable(_show(getattr(message, name)))}")
+        click.echo(f"{name:<14} {render.printable(output.show(getattr(message, name)))}")
     for name in ("headers", "properties"):
         click.echo(f"{name:<14} {render.printable(json.dumps(record[name], sort_keys=True))}")
     click.echo(f"body           {body.bytes:,} bytes, shown as {body.encoding}")
@@ -166,16 +163,18 @@ def dead_stats(as_json: bool, **flags: Any) -> None:
     with operator(flags) as ops:
         groups = ops.dead_stats()
     if as_json:
-        click.echo(json.dumps([_record(g) for g in groups], indent=2, sort_keys=True))
+        click.echo(json.dumps([output.record(g) for g in groups], indent=2, sort_keys=True))
         return
     if not groups:
         click.echo("no dead letters")
         return
     table = Table("reason", "exchange", "count", "first", "last", box=None)
     for g in groups:
-        table.add_row(g.reason, Text(g.exchange), f"{g.count:,}", _show(g.first), _show(g.last))
+        table.add_row(
+            g.reason, Text(g.exchange), f"{g.count:,}", output.show(g.first), output.show(g.last)
+        )
     table.add_row("[b]total", "", f"[b]{sum(g.count for g in groups):,}", "", "")
-    _console().print(table)
+    output.console().print(table)
 
 
 @dead.command(name="replay")
@@ -215,7 +214,7 @@ def dead_replay(
         if dry_run or not count:
             _dry_run(ops, where, count, "replay", _target(to_exchange, to_routing_key))
             return
-        with _progress("replaying", count) as advance:
+        with output.progress("replaying", count) as advance:
             moved = ops.dead_replay(
                 where,
                 to_exchange=to_exchange,
@@ -262,68 +261,9 @@ def dead_purge(
             return
         if not yes:
             click.confirm(f"delete {count:,} dead letters for good?", abort=True, err=True)
-        with _progress("purging", count) as advance:
+        with output.progress("purging", count) as advance:
             purged = ops.dead_purge(where, batch=batch, progress=advance)
     click.echo(f"purged {purged:,} dead letters")
-
-
-@click.group()
-def archive() -> None:
-    """The archive of published messages: stats and retention."""
-
-
-@archive.command(name="stats")
-@click.option("--exact", is_flag=True, help="Count rows exactly (reads the whole table).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@settings_options(*DATABASE)
-@fail_cleanly
-def archive_stats(exact: bool, as_json: bool, **flags: Any) -> None:
-    """Rows, size on disk, oldest and newest publish time."""
-    with operator(flags) as ops:
-        stats = ops.archive_stats(exact=exact)
-    if as_json:
-        click.echo(json.dumps(_record(stats), sort_keys=True))
-        return
-    rows = f"{stats.exact_rows:,}" if stats.exact_rows is not None else f"≈{stats.estimated_rows:,}"
-    click.echo(f"rows    {rows}")
-    click.echo(f"size    {stats.bytes / 2**20:,.1f} MiB")
-    click.echo(f"oldest  {_show(stats.oldest)}")
-    click.echo(f"newest  {_show(stats.newest)}")
-
-
-@archive.command(name="prune")
-@click.option(
-    "--older-than",
-    required=True,
-    metavar="DURATION",
-    help="Delete rows published longer ago than this (e.g. 7d, 12h).",
-)
-@click.option(
-    "--batch",
-    type=click.IntRange(1, 100_000),
-    default=1000,
-    show_default=True,
-    help="Rows per transaction.",
-)
-@click.option("--dry-run", is_flag=True, help="Print how many rows would go, and delete nothing.")
-@settings_options(*DATABASE)
-@fail_cleanly
-def archive_prune(older_than: str, batch: int, dry_run: bool, **flags: Any) -> None:
-    """Delete old archived rows in small paced batches (safe while relays run)."""
-    try:
-        age = timedelta(seconds=values.parse_duration(older_than))
-    except ValueError as exc:
-        raise errors.InvalidArgument(f"--older-than: {exc}") from None
-    with operator(flags) as ops:
-        if dry_run:
-            count = ops.archive_count_older(age)
-            click.echo(f"would delete {count:,} archived rows published before {_ago(age)}")
-            return
-        with _progress("pruning", None) as advance:
-            deleted = ops.archive_prune(age, batch=batch, progress=advance)
-    if deleted is None:
-        raise errors.RelayError("another prune is running (a relay or an operator); try later")
-    click.echo(f"deleted {deleted:,} archived rows published before {_ago(age)}")
 
 
 def _needs_all(where: DeadFilter, everything: bool, dry_run: bool, verb: str) -> None:
@@ -349,30 +289,6 @@ def _target(exchange: str | None, routing_key: str | None) -> str:
     return f" to {' and '.join(parts)}" if parts else ""
 
 
-@contextmanager
-def _progress(verb: str, total: int | None) -> Iterator[Callable[[int], None]]:
-    """A progress bar on stderr when it is a terminal; on interrupt, how far it got."""
-    done = 0
-    console = Console(stderr=True)
-    columns = [TextColumn(verb), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-    with Progress(*columns, console=console, disable=not console.is_terminal) as bar:
-        task = bar.add_task(verb, total=total)
-
-        def advance(n: int) -> None:
-            nonlocal done
-            done += n
-            bar.advance(task, n)
-
-        try:
-            yield advance
-        except KeyboardInterrupt:
-            die(
-                f"interrupted after {verb} {done:,} rows; each batch is a transaction, "
-                "so running the same command again goes on from there",
-                130,
-            )
-
-
 def _table(rows: Sequence[admin.DeadRow]) -> None:
     table = Table(
         "message_id", "failed_at", "reason", "exchange", "routing_key", "key/seq", "tries", "detail"
@@ -381,7 +297,7 @@ def _table(rows: Sequence[admin.DeadRow]) -> None:
         key = "" if r.ordering_key is None else f"{r.ordering_key}/{r.seq}"
         table.add_row(
             str(r.message_id),
-            _show(r.failed_at),
+            output.show(r.failed_at),
             r.reason,
             Text(render.printable(r.exchange)),
             Text(render.printable(r.routing_key)),
@@ -389,34 +305,4 @@ def _table(rows: Sequence[admin.DeadRow]) -> None:
             f"{r.attempts}" + (f" (replayed {r.replays})" if r.replays else ""),
             Text(render.printable(r.detail), overflow="ellipsis", no_wrap=True),
         )
-    _console().print(table)
-
-
-def _console() -> Console:
-    """Stdout, as wide as the terminal, or wide enough not to fold rows into a pipe."""
-    probe = Console()
-    return probe if probe.is_terminal else Console(width=240)
-
-
-def _record(item: Any) -> dict[str, Any]:
-    """A dataclass as JSON-ready values (times in ISO 8601 UTC, ids as text, bytes left out)."""
-    return {k: _json(v) for k, v in dataclasses.asdict(item).items() if not isinstance(v, bytes)}
-
-
-def _json(value: Any) -> Any:
-    if isinstance(value, datetime):
-        return value.astimezone(UTC).isoformat()
-    return value if isinstance(value, int | str | dict | list | None) else str(value)
-
-
-def _show(value: Any) -> str:
-    """A value for people: times in UTC to the second, nothing as '-'."""
-    if value is None:
-        return "-"
-    if isinstance(value, datetime):
-        return value.astimezone(UTC).isoformat(timespec="seconds")
-    return str(value)
-
-
-def _ago(age: timedelta) -> str:
-    return _show(datetime.now(UTC) - age)
+    output.console().print(table)
