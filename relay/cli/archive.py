@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from relay.cli import output
-from relay.cli.base import fail_cleanly, operator, settings_options
+from relay.cli.base import batch_option, fail_cleanly, operator, settings_options
 from relay.core import errors, values
 
 DATABASE = ("database_url", "db_schema")
@@ -46,13 +46,7 @@ def archive_stats(exact: bool, as_json: bool, **flags: Any) -> None:
     metavar="DURATION",
     help="Delete rows published longer ago than this (e.g. 7d, 12h).",
 )
-@click.option(
-    "--batch",
-    type=click.IntRange(1, 100_000),
-    default=1000,
-    show_default=True,
-    help="Rows per transaction.",
-)
+@batch_option(1000)
 @click.option("--dry-run", is_flag=True, help="Print how many rows would go, and delete nothing.")
 @settings_options(*DATABASE)
 @fail_cleanly

@@ -44,6 +44,17 @@ def settings_options(*fields: str) -> Callable[[F], F]:
     return decorate
 
 
+def batch_option(default: int) -> Callable[[F], F]:
+    """`--batch N`: rows per transaction of a command that moves or deletes many (1–100,000)."""
+    return click.option(
+        "--batch",
+        type=click.IntRange(1, 100_000),
+        default=default,
+        show_default=True,
+        help="Rows per transaction.",
+    )
+
+
 def fail_cleanly(command: F) -> F:
     """Expected failures print one line on stderr and exit non-zero: 2 for bad settings, 1 else."""
 

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from relay.cli import output
-from relay.cli.base import fail_cleanly, operator, settings_options
+from relay.cli.base import batch_option, fail_cleanly, operator, settings_options
 from relay.core import errors, model, render
 from relay.core.filters import DeadFilter
 from relay.postgres import admin
@@ -184,13 +184,7 @@ def dead_stats(as_json: bool, **flags: Any) -> None:
 @click.option("--to-exchange", default=None, help="Send them to this exchange instead.")
 @click.option("--to-routing-key", default=None, help="Send them with this routing key instead.")
 @click.option("--dry-run", is_flag=True, help="Print what would move, and move nothing.")
-@click.option(
-    "--batch",
-    type=click.IntRange(1, 100_000),
-    default=500,
-    show_default=True,
-    help="Rows per transaction.",
-)
+@batch_option(500)
 @settings_options(*DATABASE)
 @fail_cleanly
 def dead_replay(
@@ -234,13 +228,7 @@ def dead_replay(
 @click.option("--all", "everything", is_flag=True, help="Needed to purge every dead letter.")
 @click.option("--dry-run", is_flag=True, help="Print what would go, and delete nothing.")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-@click.option(
-    "--batch",
-    type=click.IntRange(1, 100_000),
-    default=1000,
-    show_default=True,
-    help="Rows per transaction.",
-)
+@batch_option(1000)
 @settings_options(*DATABASE)
 @fail_cleanly
 def dead_purge(

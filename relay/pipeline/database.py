@@ -9,21 +9,14 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-import psycopg
-
 from relay.core import errors
 from relay.pipeline.lake import Table
-from relay.postgres import pg, sql
+from relay.postgres import pg
 from relay.postgres.pg import translate_errors
 
 
-class PipelineDatabase:
+class PipelineDatabase(pg.Session):
     """An autocommit session holding the schema's pipeline lock for as long as it is open."""
-
-    def __init__(self, conn: psycopg.Connection[Any], schema: str) -> None:
-        self._conn = conn
-        self._schema = schema
-        self._q = sql.load(schema)
 
     @classmethod
     @contextmanager

@@ -18,7 +18,7 @@ from psycopg.rows import class_row
 
 from relay.core import errors
 from relay.core.filters import DeadFilter
-from relay.postgres import pg, sql
+from relay.postgres import pg
 from relay.postgres.pg import translate_errors
 
 OnDead = Literal["block", "skip"]
@@ -110,14 +110,9 @@ class ArchiveStats:
 Progress = Callable[[int], object]
 
 
-class Admin:
+class Admin(pg.Session):
     """Operator operations on one outbox schema, over one autocommit connection. Every method
     raises DatabaseUnavailable or SchemaMissing on those failures, InvalidArgument on bad input."""
-
-    def __init__(self, conn: psycopg.Connection[Any], schema: str) -> None:
-        self._conn = conn
-        self._schema = schema
-        self._q = sql.load(schema)
 
     @classmethod
     @contextmanager

@@ -11,6 +11,7 @@ import psycopg.errors
 import psycopg_pool
 
 from relay.core import errors, values
+from relay.postgres import sql
 
 #: Every session the relay opens carries this name, so operators can find (and kill) them.
 APPLICATION_NAME = "outbox-relay"
@@ -55,3 +56,13 @@ def first_line(exc: BaseException) -> str:
     """The first line of an error's text (libpq's messages run over several)."""
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0]
+
+
+class Session:
+    """One autocommit connection (from `session`) to one outbox schema, with that schema's
+    statements: what the operators' Admin and the pipeline's database side are built on."""
+
+    def __init__(self, conn: psycopg.Connection[Any], schema: str) -> None:
+        self._conn = conn
+        self._schema = schema
+        self._q = sql.load(schema)
