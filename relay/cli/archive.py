@@ -8,8 +8,9 @@ from typing import Any
 
 import click
 
-from relay.cli import output
-from relay.cli.base import batch_option, fail_cleanly, operator, settings_options
+from relay.cli.base import operator
+from relay.console import output
+from relay.console.options import batch_option, fail_cleanly, settings_options
 from relay.core import errors, values
 
 DATABASE = ("database_url", "db_schema")

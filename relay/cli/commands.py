@@ -18,9 +18,8 @@ from relay.cli import dead as cli_dead
 from relay.cli import demo
 from relay.cli import keys as cli_keys
 from relay.cli import lane as cli_lane
-from relay.cli import pipeline as cli_pipeline
 from relay.cli import top as live
-from relay.cli.base import (
+from relay.console.options import (
     CONNECTION,
     RELAY_KNOBS,
     Group,
@@ -29,6 +28,7 @@ from relay.cli.base import (
     settings_options,
 )
 from relay.core import config, eventloop, logs
+from relay.pipeline import commands as pipeline_commands
 from relay.postgres import migrate as migrations
 from relay.postgres import roles as access
 
@@ -200,6 +200,6 @@ def demo_command(count: int | None, interval: float, **flags: Any) -> None:
 
 main.add_command(cli_dead.dead)
 main.add_command(cli_archive.archive)
-main.add_command(cli_pipeline.pipeline)
+main.add_command(pipeline_commands.pipeline)
 main.add_command(cli_lane.lane)
 main.add_command(cli_keys.keys)

@@ -11,8 +11,9 @@ import click
 from rich.table import Table
 from rich.text import Text
 
-from relay.cli import output
-from relay.cli.base import batch_option, fail_cleanly, operator, settings_options
+from relay.cli.base import operator
+from relay.console import output
+from relay.console.options import batch_option, fail_cleanly, settings_options
 from relay.core import errors, model, render
 from relay.core.filters import DeadFilter
 from relay.postgres import admin

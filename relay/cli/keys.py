@@ -8,7 +8,8 @@ from typing import Any
 
 import click
 
-from relay.cli.base import fail_cleanly, operator, settings_options
+from relay.cli.base import operator
+from relay.console.options import fail_cleanly, settings_options
 from relay.core import errors, values
 from relay.postgres import admin
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import click
 
-from relay.cli.base import fail_cleanly, operator, settings_options
+from relay.cli.base import operator
+from relay.console.options import fail_cleanly, settings_options
 from relay.core import errors
 from relay.postgres import admin
 

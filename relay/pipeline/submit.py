@@ -12,7 +12,7 @@ def main() -> None:
     # must not pass for top-level ones.
     here = Path(__file__).resolve().parent
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-    from relay.cli.pipeline import pipeline  # after the path is fixed
+    from relay.pipeline.commands import pipeline  # after the path is fixed
 
     pipeline(prog_name="outbox-relay pipeline")
 

@@ -154,6 +154,6 @@ def test_every_setting_is_described_from_its_definition_alone() -> None:
 
 
 def test_every_relay_setting_is_a_flag_of_run() -> None:
-    from relay.cli import base
+    from relay.console import options as base
 
     assert set(base.CONNECTION) | set(base.RELAY_KNOBS) == set(config.Settings.model_fields)

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import click
 
-from relay.cli.base import Group, fail_cleanly, settings_options
+from relay.console.options import Group, fail_cleanly, settings_options
 from relay.core import config, errors, values
 from relay.core.filters import when
 
