@@ -4,6 +4,7 @@ errors with their exit codes, and a command group whose usage errors are one lin
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
@@ -22,7 +23,7 @@ RELAY_KNOBS = tuple(f for f in config.Settings.model_fields if f not in CONNECTI
 
 def flag(field: str) -> str:
     """The command-line flag of a setting: OUTBOX_BATCH_SIZE → --batch-size."""
-    return "--" + config.env_name(field).removeprefix("OUTBOX_").lower().replace("_", "-")
+    return config.flag_name(field)
 
 
 def settings_options(*fields: str) -> Callable[[F], F]:
@@ -81,6 +82,9 @@ class Group(click.Group):
 
     def main(self, *args: Any, **kwargs: Any) -> Any:
         kwargs["standalone_mode"] = False
+        for name, closest in config.unknown_variables(os.environ):
+            hint = f" (did you mean {closest}?)" if closest else ""
+            click.echo(f"outbox-relay: warning: {name} is not a setting: ignored{hint}", err=True)
         try:
             result = super().main(*args, **kwargs)
         except NoArgsIsHelpError as exc:  # a bare group: its help, as click shows it

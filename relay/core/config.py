@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import socket
+from collections.abc import Mapping
 from typing import Annotated, Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -377,11 +379,33 @@ def env_name(field: str) -> str:
     return alias if isinstance(alias, str) else f"OUTBOX_{field.upper()}"
 
 
-def _setting(loc: tuple[int | str, ...]) -> str:
-    """Name the setting an error is about by its environment variable, whichever way it came in."""
+def flag_name(field: str) -> str:
+    """The command-line flag of a setting: OUTBOX_BATCH_SIZE → --batch-size."""
+    return "--" + env_name(field).removeprefix("OUTBOX_").lower().replace("_", "-")
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """The OUTBOX_* variables in `environ` that no setting reads, each with the closest name one
+    does (None if nothing is close): a misspelt variable is otherwise silently ignored."""
+    known = {
+        env_name(f) for f in Settings.model_fields.keys() | PipelineSettings.model_fields.keys()
+    }
+    known |= {f"{env_name(field)}_FILE" for field in SECRETS}
+    return [
+        (name, next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.8)), None))
+        for name in sorted(environ)
+        if name.startswith("OUTBOX_") and name not in known
+    ]
+
+
+def _setting(loc: tuple[int | str, ...], flags: Mapping[str, Any]) -> str:
+    """Name the setting an error is about the way it came in: its flag if one was given, else its
+    environment variable."""
     name = str(loc[0]) if loc else "settings"
     known = Settings.model_fields.keys() | PipelineSettings.model_fields.keys()
-    return env_name(name) if name in known else name
+    if name not in known:
+        return name
+    return flag_name(name) if flags.get(name) is not None else env_name(name)
 
 
 def load(**overrides: Any) -> Settings:
@@ -402,7 +426,8 @@ def _load(kind: type[_S], overrides: dict[str, Any]) -> _S:
         return kind(**{k: v for k, v in overrides.items() if v is not None})
     except pydantic.ValidationError as exc:
         problems = "; ".join(
-            (f"{_setting(e['loc'])}: " if e["loc"] else "") + e["msg"].removeprefix("Value error, ")
+            (f"{_setting(e['loc'], overrides)}: " if e["loc"] else "")
+            + e["msg"].removeprefix("Value error, ")
             for e in exc.errors(include_url=False, include_input=False)
         )
         raise errors.ConfigError(f"invalid settings: {problems}") from None

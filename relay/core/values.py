@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 from relay.core import errors
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,58}")
-_DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*")
+_DURATION = re.compile(r"\s*(-?(?:\d+(?:\.\d*)?|\.\d+))\s*(ms|s|m|h|d)?\s*")
 _URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)\S*@")
 #: libpq's key/value form (`password=…`, quoted or not) and a URL's `password=` parameter; also
 #: `sslpassword`, the client key's passphrase.

@@ -87,6 +87,21 @@ def test_bad_settings_exit_2_before_connecting(variable: str, value: str, fragme
     assert_one_line_error(result, 2, "invalid settings", fragment)
 
 
+def test_a_bad_flag_is_named_as_the_flag_and_a_negative_duration_as_out_of_range() -> None:
+    result = run_cli("run", "--lease", "-1", env=clean_env())
+    assert_one_line_error(result, 2, "invalid settings", "--lease: Input should be greater than 0")
+
+
+def test_a_misspelt_variable_is_named_with_the_setting_it_resembles(database_url: str) -> None:
+    env = clean_env(OUTBOX_DATABASE_URL=database_url, OUTBOX_DATABSE_URL="postgresql://x/y")
+    result = run_cli("stats", env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        "outbox-relay: warning: OUTBOX_DATABSE_URL is not a setting: ignored "
+        "(did you mean OUTBOX_DATABASE_URL?)"
+    ]
+
+
 def test_password_in_a_bad_url_is_not_echoed() -> None:
     result = run_cli("run", env=clean_env(OUTBOX_AMQP_URL="amqp://guest:s3cret@host:port/"))
     assert_one_line_error(result, 2, "OUTBOX_AMQP_URL")

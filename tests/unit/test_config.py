@@ -95,9 +95,33 @@ def test_redaction(text: str, expected: str) -> None:
     assert values.redact_secrets(text) == expected
 
 
-def test_errors_name_the_environment_variable() -> None:
+def test_errors_name_the_setting_the_way_it_came_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(errors.ConfigError, match="--max-attempts: Input should be greater"):
+        config.load(max_attempts=0)  # as a flag passes it
+    monkeypatch.setenv("OUTBOX_MAX_ATTEMPTS", "0")
     with pytest.raises(errors.ConfigError, match="OUTBOX_MAX_ATTEMPTS: Input should be greater"):
-        config.load(max_attempts=0)
+        config.load()
+
+
+@pytest.mark.parametrize("given", ["-1", "-250ms", -1])
+def test_a_negative_duration_is_out_of_range_not_unreadable(given: str | int) -> None:
+    with pytest.raises(errors.ConfigError, match="--lease: Input should be greater than 0"):
+        config.load(lease=given)
+
+
+def test_unknown_outbox_variables_are_named_with_the_closest_setting() -> None:
+    environ = {
+        "OUTBOX_DATABSE_URL": "postgresql://x",
+        "OUTBOX_LEASE": "5",
+        "OUTBOX_DATABASE_URL_FILE": "/run/secrets/db",
+        "OUTBOX_LAKE": "/lake",
+        "OUTBOX_WHATEVER": "1",
+        "PATH": "/bin",
+    }
+    assert config.unknown_variables(environ) == [
+        ("OUTBOX_DATABSE_URL", "OUTBOX_DATABASE_URL"),
+        ("OUTBOX_WHATEVER", None),
+    ]
 
 
 def test_secrets_can_come_from_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -59,7 +59,7 @@ def test_pipeline_settings() -> None:
         "local[*]",
         1_000_000,
     )
-    with pytest.raises(errors.ConfigError, match="OUTBOX_EXPORT_CHUNK"):
+    with pytest.raises(errors.ConfigError, match="--export-chunk"):
         config.load_pipeline(export_chunk="10")
 
 
