@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import aio_pika
+import aio_pika.abc
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -277,21 +278,25 @@ async def _drain(amqp_url: str, name: str, expected: set[str]) -> list[Arrival]:
         await channel.set_qos(prefetch_count=2000)
         queue = await channel.declare_queue(name, durable=True, passive=True)
         deadline = time.monotonic() + 300
-        async with queue.iterator() as messages:
-            while time.monotonic() < deadline:
-                try:
-                    message = await asyncio.wait_for(messages.__anext__(), 1.0)
-                except TimeoutError:
-                    if expected <= seen or time.monotonic() - last > 30:
-                        break
-                    continue
-                await message.ack()
-                key = message.headers.get("x-outbox-ordering-key")
-                seq = message.headers.get("x-outbox-sequence")
-                attempt = message.headers.get("x-outbox-attempt")
-                received.append((str(message.message_id), key, seq, attempt))  # type: ignore[arg-type]
-                seen.add(received[-1][0])
-                last = time.monotonic()
+        # A consumer feeding a local queue, not queue.iterator(): aio-pika 10 closes an iterator
+        # whose __anext__ is cancelled, so the first quiet second ended the drain early.
+        inbox: asyncio.Queue[aio_pika.abc.AbstractIncomingMessage] = asyncio.Queue()
+        tag = await queue.consume(inbox.put)
+        while time.monotonic() < deadline:
+            try:
+                message = await asyncio.wait_for(inbox.get(), 1.0)
+            except TimeoutError:
+                if expected <= seen or time.monotonic() - last > 30:
+                    break
+                continue
+            await message.ack()
+            key = message.headers.get("x-outbox-ordering-key")
+            seq = message.headers.get("x-outbox-sequence")
+            attempt = message.headers.get("x-outbox-attempt")
+            received.append((str(message.message_id), key, seq, attempt))  # type: ignore[arg-type]
+            seen.add(received[-1][0])
+            last = time.monotonic()
+        await queue.cancel(tag)
         await channel.queue_delete(name)
         await channel.exchange_delete(name)
     return received
