@@ -507,5 +507,5 @@ async def test_the_relays_pruner_counts_what_it_did(database_url: str) -> None:
 def test_retention_settings() -> None:
     assert config.load().archive_retention == 7 * 86400
     assert config.load(archive_retention="0").archive_retention == 0
-    with pytest.raises(errors.ConfigError, match="OUTBOX_ARCHIVE_PRUNE_INTERVAL"):
+    with pytest.raises(errors.ConfigError, match="--archive-prune-interval"):
         config.load(archive_prune_interval="0")

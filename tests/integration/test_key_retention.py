@@ -93,5 +93,5 @@ def test_a_nonsense_retention_is_refused(database_url: str) -> None:
 def test_the_retention_setting_is_off_or_an_hour_or_more() -> None:
     assert config.load(key_retention=0).key_retention == 0
     assert config.load(key_retention="2h").key_retention == 7200
-    with pytest.raises(errors.ConfigError, match="OUTBOX_KEY_RETENTION"):
+    with pytest.raises(errors.ConfigError, match="--key-retention"):
         config.load(key_retention="10m")

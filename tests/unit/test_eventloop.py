@@ -38,7 +38,7 @@ def test_without_uvloop_auto_falls_back_and_uvloop_is_a_config_error(
 
 def test_the_setting_names_a_known_loop() -> None:
     assert config.load(event_loop="UVLOOP").event_loop == "uvloop"
-    with pytest.raises(errors.ConfigError, match="OUTBOX_EVENT_LOOP: use auto, uvloop or asyncio"):
+    with pytest.raises(errors.ConfigError, match="--event-loop: use auto, uvloop or asyncio"):
         config.load(event_loop="trio")
 
 
