@@ -33,7 +33,11 @@ def archive_stats(exact: bool, as_json: bool, **flags: Any) -> None:
     if as_json:
         click.echo(json.dumps(output.record(stats), sort_keys=True))
         return
-    rows = f"{stats.exact_rows:,}" if stats.exact_rows is not None else f"≈{stats.estimated_rows:,}"
+    rows = (
+        f"{stats.exact_rows:,}"
+        if stats.exact_rows is not None
+        else f"≈{stats.estimated_rows:,} (PostgreSQL's estimate; --exact counts them)"
+    )
     click.echo(f"rows    {rows}")
     click.echo(f"size    {stats.bytes / 2**20:,.1f} MiB")
     click.echo(f"oldest  {output.show(stats.oldest)}")

@@ -220,7 +220,8 @@ def dead_replay(
     left = (
         f"; {count - moved:,} left in dead (already waiting in the outbox)" if moved < count else ""
     )
-    click.echo(f"replayed {moved:,} dead letters{_target(to_exchange, to_routing_key)}{left}")
+    replayed = render.count(moved, "dead letter")
+    click.echo(f"replayed {replayed}{_target(to_exchange, to_routing_key)}{left}")
 
 
 @dead.command(name="purge")
@@ -248,11 +249,22 @@ def dead_purge(
         if dry_run or not count:
             _dry_run(ops, where, count, "purge", "")
             return
-        if not yes:
-            click.confirm(f"delete {count:,} dead letters for good?", abort=True, err=True)
+        if not yes and not _confirmed(f"delete {render.count(count, 'dead letter')} for good?"):
+            click.echo("nothing purged")
+            return
         with output.progress("purging", count) as advance:
             purged = ops.dead_purge(where, batch=batch, progress=advance)
-    click.echo(f"purged {purged:,} dead letters")
+    click.echo(f"purged {render.count(purged, 'dead letter')}")
+
+
+def _confirmed(question: str) -> bool:
+    """The operator's answer; RelayError when there is no one to ask (no terminal on stdin)."""
+    try:
+        return click.confirm(question, err=True)
+    except click.Abort:
+        raise errors.RelayError(
+            "cannot ask for confirmation without a terminal: pass --yes to purge"
+        ) from None
 
 
 def _needs_all(where: DeadFilter, everything: bool, dry_run: bool, verb: str) -> None:
@@ -266,7 +278,7 @@ def _dry_run(ops: admin.Admin, where: DeadFilter, count: int, verb: str, target:
     if not count:
         click.echo("no dead letters match")
         return
-    click.echo(f"would {verb} {count:,} dead letters{target}:")
+    click.echo(f"would {verb} {render.count(count, 'dead letter')}{target}:")
     _table(ops.dead_list(where, DRY_RUN_ROWS))
     if count > DRY_RUN_ROWS:
         click.echo(f"… and {count - DRY_RUN_ROWS:,} more")

@@ -170,6 +170,8 @@ def test_replay_dry_run_then_for_real(env: dict[str, str], database_url: str) ->
     assert sorted(moved) == sorted((m, "orders", 0, 1) for m in ids)
     assert rows(database_url, "SELECT reason FROM outbox.dead") == [("rejected",)] * 3
     assert run_cli("dead", "replay", "--all", env=env).stdout.strip() == "replayed 3 dead letters"
+    (one,) = bury(database_url, 1, reason="rejected")
+    assert run_cli("dead", "replay", str(one), env=env).stdout.strip() == "replayed 1 dead letter"
 
 
 def test_purge_dry_run_changes_nothing_and_asks_first(
@@ -182,11 +184,12 @@ def test_purge_dry_run_changes_nothing_and_asks_first(
     assert dry.stdout.startswith("would purge 4 dead letters:")
     assert snapshot(database_url) == before
     declined = run_cli("dead", "purge", "--reason", "rejected", env=env, answer="n\n")
-    assert declined.returncode == 1
+    assert declined.returncode == 0  # a "no" is an answer, not an error
     assert "delete 4 dead letters for good?" in declined.stderr
+    assert declined.stdout.strip() == "nothing purged"
     assert snapshot(database_url) == before
     no_terminal = run_cli("dead", "purge", "--reason", "rejected", env=env)  # no stdin: no
-    assert no_terminal.returncode == 1
+    assert_one_line_error(no_terminal, 1, "without a terminal: pass --yes")
     assert snapshot(database_url) == before
     agreed = run_cli("dead", "purge", "--reason", "rejected", env=env, answer="y\n")
     assert agreed.stdout.strip() == "purged 4 dead letters"

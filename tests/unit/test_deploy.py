@@ -265,6 +265,20 @@ def test_systemd_unit() -> None:
     assert unit["Service"]["ExecStart"].endswith("outbox-relay run")
     assert unit["Service"]["KillSignal"] == "SIGTERM"
     assert unit["Service"]["User"] != "root"
+    lines = set(unit_file.read_text(encoding="utf-8").splitlines())
+    hardening = {
+        "NoNewPrivileges=yes",
+        "ProtectSystem=strict",
+        "ProtectKernelModules=yes",
+        "RestrictNamespaces=yes",
+        "SystemCallFilter=@system-service",
+        "CapabilityBoundingSet=",
+    }
+    assert hardening <= lines
+    # The URLs (passwords) come as credentials, not from a file the relay's user could read.
+    assert "Environment=OUTBOX_DATABASE_URL_FILE=%d/database-url" in lines
+    assert "LoadCredential=database-url:/etc/outbox-relay/database-url" in lines
+    assert "#   install -m 0600 -o root -g root relay.env /etc/outbox-relay/relay.env" in lines
     analyze = shutil.which("systemd-analyze")
     if analyze:
         result = subprocess.run(
