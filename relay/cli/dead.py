@@ -262,6 +262,7 @@ def _confirmed(question: str) -> bool:
     try:
         return click.confirm(question, err=True)
     except click.Abort:
+        click.echo(err=True)  # end the question's line: the error gets its own
         raise errors.RelayError(
             "cannot ask for confirmation without a terminal: pass --yes to purge"
         ) from None

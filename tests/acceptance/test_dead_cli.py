@@ -189,7 +189,10 @@ def test_purge_dry_run_changes_nothing_and_asks_first(
     assert declined.stdout.strip() == "nothing purged"
     assert snapshot(database_url) == before
     no_terminal = run_cli("dead", "purge", "--reason", "rejected", env=env)  # no stdin: no
-    assert_one_line_error(no_terminal, 1, "without a terminal: pass --yes")
+    assert no_terminal.returncode == 1
+    question, error = no_terminal.stderr.splitlines()
+    assert question.startswith("delete 4 dead letters for good?")
+    assert error.startswith("outbox-relay: error: cannot ask for confirmation without a terminal")
     assert snapshot(database_url) == before
     agreed = run_cli("dead", "purge", "--reason", "rejected", env=env, answer="y\n")
     assert agreed.stdout.strip() == "purged 4 dead letters"
