@@ -58,8 +58,10 @@ def _json() -> logging.Formatter:
 
 
 def event(**fields: Any) -> dict[str, Any]:
-    """`extra=` for a log call: the event's fields as JSON keys (text logs show the message)."""
+    """`extra=` for a log call: the event's fields as JSON keys (text logs show the message).
+    Numbers, booleans and None stay what they are (a missing ordering key is null, not "None");
+    anything else (a UUID, an enum, a time) is its text."""
     return {
-        key: str(value) if not isinstance(value, int | float | bool) else value
+        key: value if value is None or isinstance(value, int | float | bool) else str(value)
         for key, value in fields.items()
     }
