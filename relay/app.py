@@ -67,19 +67,29 @@ class StoppedWhileStarting(Exception):
 
 
 async def startup(
-    what: str, attempt: Callable[[], Awaitable[T]], within: float, stop: asyncio.Event | None = None
+    what: str,
+    attempt: Callable[[], Awaitable[T]],
+    within: float,
+    stop: asyncio.Event | None = None,
+    say: Callable[[str], object] = lambda _: None,
 ) -> T:
-    """Call `attempt` until it succeeds, retrying outages for up to `within` seconds. Raises
-    StoppedWhileStarting as soon as `stop` is set, even mid-attempt."""
+    """Call `attempt` until it succeeds, retrying outages for up to `within` seconds, and `say`
+    what it is doing (for /readyz). Raises StoppedWhileStarting as soon as `stop` is set, even
+    mid-attempt."""
     stop = stop or asyncio.Event()
+    say(f"connecting to {what}")
+
+    def waiting(state: tenacity.RetryCallState) -> None:
+        problem = state.outcome.exception() if state.outcome else "?"
+        log.warning("waiting for %s: %s", what, problem)
+        say(f"waiting for {what} (for up to {within:g}s in all): {problem}")
+
     retrying = tenacity.AsyncRetrying(
         retry=tenacity.retry_if_exception(retry.is_transient),
         wait=retry.reconnect_wait(maximum=5.0),
         stop=tenacity.stop_after_delay(within),
         sleep=lambda seconds: _unless_stopped(asyncio.sleep(seconds), stop),
-        before_sleep=lambda state: log.warning(
-            "waiting for %s: %s", what, state.outcome.exception() if state.outcome else "?"
-        ),
+        before_sleep=waiting,
         reraise=True,
     )
     async for try_ in retrying:
@@ -109,6 +119,7 @@ async def components(
     settings: config.Settings,
     stop: asyncio.Event | None = None,
     counters: metrics.Metrics | None = None,
+    say: Callable[[str], object] = lambda _: None,
 ) -> AsyncIterator[Components]:
     """Open the store, the publisher and the LISTEN connection; close them all on exit.
     Raises DatabaseUnavailable/BrokerUnavailable after `startup_timeout`, SchemaMissing, or
@@ -125,6 +136,7 @@ async def components(
         ),
         settings.startup_timeout,
         stop,
+        say,
     )
     publisher = AmqpPublisher(
         settings.amqp_url.get_secret_value(),
@@ -133,8 +145,9 @@ async def components(
     )
     try:
         # From now on producers may use the ready lane: a relay that knows it is running.
-        await startup("PostgreSQL", store.use_fast_lane, settings.startup_timeout, stop)
-        await startup("RabbitMQ", publisher.connect, settings.startup_timeout, stop)
+        await startup("PostgreSQL", store.use_fast_lane, settings.startup_timeout, stop, say)
+        await startup("RabbitMQ", publisher.connect, settings.startup_timeout, stop, say)
+        say("starting the relay loop")
         wake, recheck = asyncio.Event(), asyncio.Event()
         listener = Listener(database_url, settings.db_schema, wake, recheck)
         counters = counters or metrics.Metrics()
@@ -170,6 +183,10 @@ class _Process:
         self.work: asyncio.Task[None] | None = None
         self.watcher: Watcher | None = None
         self.chores: list[chores.Chore] = []
+        self.step = "starting"  # what start-up is doing, for /readyz until the watcher answers
+
+    def starting(self, step: str) -> None:
+        self.step = f"starting: {step}"
 
     def cancel(self) -> None:
         if self.work is not None:
@@ -189,7 +206,7 @@ class _Process:
 
     def ready(self) -> tuple[bool, str]:
         if self.watcher is None:
-            return False, "starting"
+            return False, self.step
         return self.watcher.readiness.ok, self.watcher.readiness.detail
 
 
@@ -214,7 +231,7 @@ async def run(
     _listen(probes, settings)
     try:
         with _signals_set(stop, process.cancel):
-            async with components(settings, stop, counters) as parts:
+            async with components(settings, stop, counters, process.starting) as parts:
                 process.watcher = _watcher(settings, parts)
                 process.chores = [*_chores(settings, parts, process.watcher), *parts.chores]
                 supervised = [

@@ -50,7 +50,7 @@ class Watcher:
         self._next_observation = 0.0
         self._warned_pid: int | None = None
         self._warned_autovacuum = False
-        self.readiness = Verdict(False, "starting")
+        self.readiness = Verdict(False, "starting: first look at the database and the broker")
 
     def liveness(self) -> Verdict:
         """Alive while the loop cycles or waits on purpose; a loop stuck for `stall_after`

@@ -174,6 +174,24 @@ def proxied(url: str, default_port: int) -> Iterator[tuple[TcpProxy, str]]:
         yield proxy, parts._replace(netloc=netloc).geturl()
 
 
+def test_readiness_says_what_start_up_waits_for(database_url: str, closed_port: int) -> None:
+    env = clean_env(
+        OUTBOX_DATABASE_URL=database_url,
+        OUTBOX_AMQP_URL=f"amqp://guest:guest@127.0.0.1:{closed_port}/",
+        OUTBOX_STARTUP_TIMEOUT="60",
+    )
+    with RelayProcess(env) as proc:
+        base = endpoint(proc)
+
+        def waiting_for_the_broker() -> bool:
+            status, body = get(base + "/readyz")
+            return status == 503 and body.startswith("starting: waiting for RabbitMQ")
+
+        until(waiting_for_the_broker, message="/readyz to name the broker start-up waits for")
+        assert get(base + "/livez")[0] == 200  # waiting at start is not hanging
+        assert proc.stop() == 0
+
+
 def test_probes_follow_the_services(database_url: str, amqp_url: str) -> None:
     with proxied(database_url, 5432) as (db, db_url), proxied(amqp_url, 5672) as (mq, mq_url):
         env = clean_env(
