@@ -14,6 +14,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+import relay
 from tests.support.amqp import Broker
 from tests.support.processes import clean_env
 
@@ -48,6 +49,11 @@ def test_the_wheel_carries_migrations_queries_and_type_hints(wheel: Path) -> Non
         if line.startswith("Provides-Extra:")
     }
     assert {"sqlalchemy", "otel", "spark"} <= extras
+    fields = zipfile.ZipFile(wheel).read(metadata).decode().splitlines()
+    assert f"Version: {relay.__version__}" in fields  # one source: relay/__init__.py
+    assert any(line.startswith("Project-URL: Source, ") for line in fields)
+    assert any(line.startswith("Requires-Dist: aiormq") for line in fields)
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
 
 
 @pytest.fixture(scope="module")
