@@ -119,9 +119,10 @@ def dead_list(limit: int, as_json: bool, as_jsonl: bool, **flags: Any) -> None:
 @settings_options(*DATABASE)
 @fail_cleanly
 def dead_show(message_id: str, full: bool, as_json: bool, **flags: Any) -> None:
-    """One dead letter in full: why it died, its headers, properties and body."""
-    (wanted,) = DeadFilter.build(message_ids=[message_id]).message_ids or ()
+    """One dead letter in full: why it died, its headers, properties and body. MESSAGE_ID may be
+    the start of one, as `dead list` shows it (at least 4 hex digits, naming one dead letter)."""
     with operator(flags) as ops:
+        (wanted,) = DeadFilter.build(message_ids=_ids(ops, [message_id])).message_ids or ()
         message = ops.dead_get(wanted)
     if message is None:
         raise errors.RelayError(f"no dead letter with message_id {wanted}")
@@ -201,10 +202,12 @@ def dead_replay(
 
     Each keeps its message_id, starts again at attempt 1, and is sent with x-outbox-replays,
     x-outbox-replayed-at and x-outbox-replayed-from headers. Batches are transactions: if
-    interrupted, run the same command again; no message moves twice."""
-    where = _where(message_ids, **_split(flags))
-    _needs_all(where, everything, dry_run, "replay")
+    interrupted, run the same command again; no message moves twice. A MESSAGE_ID may be the start
+    of one, as `dead list` shows it."""
+    filtering = _split(flags)
     with operator(flags) as ops:
+        where = _where(_ids(ops, message_ids), **filtering)
+        _needs_all(where, everything, dry_run, "replay")
         count = ops.dead_count(where)
         if dry_run or not count:
             _dry_run(ops, where, count, "replay", _target(to_exchange, to_routing_key))
@@ -241,10 +244,12 @@ def dead_purge(
     batch: int,
     **flags: Any,
 ) -> None:
-    """Delete dead letters (by MESSAGE_IDS, or by filter) for good."""
-    where = _where(message_ids, **_split(flags))
-    _needs_all(where, everything, dry_run, "purge")
+    """Delete dead letters (by MESSAGE_IDS, or by filter) for good. A MESSAGE_ID may be the start
+    of one, as `dead list` shows it."""
+    filtering = _split(flags)
     with operator(flags) as ops:
+        where = _where(_ids(ops, message_ids), **filtering)
+        _needs_all(where, everything, dry_run, "purge")
         count = ops.dead_count(where)
         if dry_run or not count:
             _dry_run(ops, where, count, "purge", "")
@@ -266,6 +271,29 @@ def _confirmed(question: str) -> bool:
         raise errors.RelayError(
             "cannot ask for confirmation without a terminal: pass --yes to purge"
         ) from None
+
+
+#: How much of a message id `dead list` shows: 12 hex digits, unique among millions of dead letters.
+SHORT_ID = len("0b8e4c1a-7f3d")
+
+
+def _ids(ops: admin.Admin, given: Sequence[str]) -> list[str]:
+    """Whole message ids as given; each shorter start resolved to the one dead letter it names.
+    InvalidArgument when a start names none, or several."""
+    whole = []
+    for value in given:
+        if len(value.strip().replace("-", "")) == 32:
+            whole.append(value)  # checked, and matched exactly, by the filter
+            continue
+        found = ops.dead_ids_starting(value)
+        if not found:
+            raise errors.InvalidArgument(f"no dead letter's message_id starts with {value!r}")
+        if len(found) > 1:
+            raise errors.InvalidArgument(
+                f"{value!r} starts more than one dead letter's message_id: give more of it"
+            )
+        whole.append(str(found[0]))
+    return whole
 
 
 def _needs_all(where: DeadFilter, everything: bool, dry_run: bool, verb: str) -> None:
@@ -293,12 +321,19 @@ def _target(exchange: str | None, routing_key: str | None) -> str:
 
 def _table(rows: Sequence[admin.DeadRow]) -> None:
     table = Table(
-        "message_id", "failed_at", "reason", "exchange", "routing_key", "key/seq", "tries", "detail"
+        "message_id…",
+        "failed_at",
+        "reason",
+        "exchange",
+        "routing_key",
+        "key/seq",
+        "tries",
+        "detail",
     )
     for r in rows:
         key = "" if r.ordering_key is None else f"{r.ordering_key}/{r.seq}"
         table.add_row(
-            str(r.message_id),
+            str(r.message_id)[:SHORT_ID],  # every command takes it; --json has the whole
             output.show(r.failed_at),
             r.reason,
             Text(render.printable(r.exchange)),

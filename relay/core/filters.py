@@ -91,6 +91,20 @@ class DeadFilter:
         }
 
 
+_DASHES = (8, 12, 16, 20)  # where a UUID's text has its dashes, by hex digit
+
+
+def id_prefix(value: str) -> str:
+    """A message id, or its start, as PostgreSQL writes uuids (lowercase, dashed):
+    `F54A159C6B` → `f54a159c-6b`. InvalidArgument unless it is 4 to 32 hex digits."""
+    digits = value.strip().replace("-", "").lower()
+    if not re.fullmatch(r"[0-9a-f]{4,32}", digits):
+        raise errors.InvalidArgument(
+            f"not a message id or the start of one (4 or more hex digits): {value!r}"
+        )
+    return "".join(("-" if i in _DASHES else "") + c for i, c in enumerate(digits))
+
+
 _UUID = re.compile(r"[0-9a-fA-F]{8}-?([0-9a-fA-F]{4}-?){3}[0-9a-fA-F]{12}")
 
 

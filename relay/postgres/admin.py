@@ -16,7 +16,7 @@ import psycopg
 import psycopg.errors
 from psycopg.rows import class_row
 
-from relay.core import errors
+from relay.core import errors, filters
 from relay.core.filters import DeadFilter
 from relay.postgres import pg
 from relay.postgres.pg import translate_errors
@@ -199,6 +199,13 @@ class Admin(pg.Session):
         """The dead letter with this message_id (the latest, if it died more than once)."""
         rows = self._objects(DeadMessage, self._q.dead_get, {"message_id": message_id})
         return rows[0] if rows else None
+
+    def dead_ids_starting(self, start: str) -> list[UUID]:
+        """The dead letters' message ids that begin with `start` (a whole id, or its first 4 or
+        more hex digits, dashes optional), at most two: one means `start` names one.
+        InvalidArgument if `start` is not the start of an id."""
+        pattern = filters.id_prefix(start) + "%"
+        return [row[0] for row in self._rows(self._q.dead_ids_starting, {"pattern": pattern})]
 
     def dead_stats(self) -> list[DeadGroup]:
         """Dead letters grouped by reason and exchange, biggest group first."""

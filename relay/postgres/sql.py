@@ -59,6 +59,7 @@ class Queries:
     dead_list: LiteralString
     dead_count: LiteralString
     dead_get: LiteralString
+    dead_ids_starting: LiteralString
     dead_last_id: LiteralString
     dead_stats: LiteralString
     dead_replay_batch: LiteralString

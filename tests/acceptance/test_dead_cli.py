@@ -48,7 +48,7 @@ def test_list_show_and_stats(env: dict[str, str], database_url: str) -> None:
     lines = run_cli("dead", "list", "--reason", "unroutable", "--jsonl", env=env).stdout
     assert [json.loads(line)["exchange"] for line in lines.splitlines()] == ["billing"] * 2
     table = run_cli("dead", "list", "--limit", "2", env=env).stdout
-    assert str(old[0]) in table  # oldest failure first
+    assert str(old[0])[:13] in table  # oldest failure first, by the start of its id
     assert "… and 3 more" in table
     shown = run_cli("dead", "show", str(old[0]), "--json", env=env)
     record = json.loads(shown.stdout)
@@ -124,7 +124,11 @@ def test_errors_are_one_clear_line(env: dict[str, str], closed_port: int) -> Non
     assert_one_line_error(
         run_cli("dead", "show", missing, env=env), 1, f"no dead letter with message_id {missing}"
     )
-    assert_one_line_error(run_cli("dead", "show", "42", env=env), 2, "not a message id: '42'")
+    assert_one_line_error(
+        run_cli("dead", "show", "42", env=env),
+        2,
+        "not a message id or the start of one (4 or more hex digits): '42'",
+    )
     assert_one_line_error(
         run_cli("dead", "list", "--since", "last tuesday", env=env), 2, "not a time"
     )
@@ -149,6 +153,54 @@ def test_errors_are_one_clear_line(env: dict[str, str], closed_port: int) -> Non
     down = run_cli("dead", "list", env=clean_env(OUTBOX_DATABASE_URL=url))
     assert_one_line_error(down, 1, "PostgreSQL unavailable")
     assert "s3cret" not in down.stderr
+
+
+def test_ids_as_dead_list_shows_them_work_in_every_command(
+    env: dict[str, str], database_url: str
+) -> None:
+    (target,) = bury(database_url, 1, reason="rejected")
+    listed = run_cli("dead", "list", env=env)
+    short = str(target)[:13]
+    assert short in listed.stdout
+    assert str(target) not in listed.stdout  # the whole id is --json's
+    shown = run_cli("dead", "show", short, env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert f"message_id     {target}" in shown.stdout
+    undashed = short.replace("-", "").upper()[:6]  # any 4+ hex digits, dashes and case aside
+    assert run_cli("dead", "show", undashed, env=env).returncode == 0
+    # Two dead letters whose ids share their first 12 hex digits: their start names neither.
+    twins = [
+        uuid.UUID("0b8e4c1a-7f3d-4000-8000-000000000001"),
+        uuid.UUID("0b8e4c1a-7f3d-4000-8000-000000000002"),
+    ]
+    with psycopg.connect(database_url) as conn:
+        for twin in twins:
+            conn.execute(
+                "INSERT INTO outbox.dead (message_id, exchange, routing_key, body, headers,"
+                " properties, attempts, reason, detail, created_at, failed_at)"
+                " VALUES (%s, 'x', 'k', 'b', '{}', '{}', 1, 'rejected', 't', now(), now())",
+                [twin],
+            )
+    assert_one_line_error(
+        run_cli("dead", "show", "0b8e4c1a-7f3d", env=env),
+        2,
+        "'0b8e4c1a-7f3d' starts more than one dead letter's message_id: give more of it",
+    )
+    assert_one_line_error(
+        run_cli("dead", "purge", "ffff0000", "--yes", env=env),
+        2,
+        "no dead letter's message_id starts with 'ffff0000'",
+    )
+    replayed = run_cli("dead", "replay", short, env=env)
+    assert replayed.stdout.strip() == "replayed 1 dead letter"
+    purged = run_cli(
+        "dead", "purge", str(twins[1]), "0b8e4c1a-7f3d-4000-8000-00000000000", "--yes", env=env
+    )
+    assert purged.returncode == 2  # the second still names both twins
+    assert run_cli("dead", "purge", str(twins[1]), "--yes", env=env).stdout.strip() == (
+        "purged 1 dead letter"
+    )
+    assert rows(database_url, "SELECT message_id FROM outbox.dead") == [(twins[0],)]
 
 
 def test_replay_dry_run_then_for_real(env: dict[str, str], database_url: str) -> None:

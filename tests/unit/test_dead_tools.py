@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relay.core import errors, render
+from relay.core import errors, filters, render
 from relay.core.filters import DeadFilter, when
 from relay.ops import metrics
 from relay.ops.retention import Pruner
@@ -104,3 +104,24 @@ async def test_a_pruner_bug_is_counted_and_does_not_end_the_schedule() -> None:
         counters.registry.get_sample_value("outbox_archive_prune_runs_total", {"result": "failed"})
         == 2
     )
+
+
+@pytest.mark.parametrize(
+    ("given", "prefix"),
+    [
+        ("F54A", "f54a"),
+        ("f54a159c", "f54a159c"),
+        ("f54a159c6b1f", "f54a159c-6b1f"),
+        ("f54a159c-6b1f-4", "f54a159c-6b1f-4"),
+        (" f54a159c6b1f4a2b9c3d ", "f54a159c-6b1f-4a2b-9c3d"),
+        ("f54a159c-6b1f-4a2b-9c3d-0123456789ab", "f54a159c-6b1f-4a2b-9c3d-0123456789ab"),
+    ],
+)
+def test_an_ids_start_is_written_as_postgresql_writes_uuids(given: str, prefix: str) -> None:
+    assert filters.id_prefix(given) == prefix
+
+
+@pytest.mark.parametrize("given", ["f54", "", "xyz1", "f54a%", "f54a_", "0" * 33])
+def test_what_is_not_an_ids_start_is_refused(given: str) -> None:
+    with pytest.raises(errors.InvalidArgument, match="not a message id or the start of one"):
+        filters.id_prefix(given)

@@ -80,6 +80,15 @@ WHERE message_id = %(message_id)s
 ORDER BY id DESC
 LIMIT 1;
 
+-- name: dead_ids_starting
+-- The message ids of dead letters matching %(pattern)s (an id's start, as PostgreSQL writes uuids,
+-- then %%; built and checked by filters.id_prefix), at most two: one is a unique prefix.
+SELECT DISTINCT message_id
+FROM {schema}.dead
+WHERE message_id::text LIKE %(pattern)s
+ORDER BY message_id
+LIMIT 2;
+
 -- name: dead_last_id
 -- Replay and purge act on the rows dead when they start, not on ones that die meanwhile.
 SELECT coalesce(max(id), 0) FROM {schema}.dead;
