@@ -115,8 +115,8 @@ def stats(as_json: bool, **flags: Any) -> None:
     rows = [
         (
             "pending",
-            f"{snapshot.pending}  (due {snapshot.due}, scheduled {snapshot.scheduled}"
-            f"{f', gated {seen.gated}' if seen else ''})",
+            f"{snapshot.pending}  (due {snapshot.due}, scheduled {snapshot.scheduled}, "
+            f"gated {snapshot.gated})",
         ),
         ("in flight", str(snapshot.in_flight)),
         ("oldest pending", "-" if age is None else f"{age:.1f}s"),

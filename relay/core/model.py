@@ -238,7 +238,9 @@ class Stats:
     dead: int
     dead_by_reason: Mapping[str, int]
     blocked_keys: int = 0
-    #: The gauges' view (gated rows, the longest wait, the database's health), when available.
+    #: Behind an earlier message of their key (in `pending`, neither due nor scheduled).
+    gated: int = 0
+    #: The gauges' view (the longest wait, the database's health), when available.
     observation: Observation | None = None
 
 

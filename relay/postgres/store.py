@@ -349,7 +349,7 @@ class PgStore:
     async def stats(self) -> model.Stats:
         async with self._connection() as conn:
             cur = await conn.execute(self._q.message_stats)
-            pending, due, scheduled, in_flight, oldest = await _one(cur)
+            pending, due, scheduled, gated, in_flight, oldest = await _one(cur)
             cur = await conn.execute(self._q.archive_count)
             (archived,) = await _one(cur)
             cur = await conn.execute(self._q.blocked_key_count)
@@ -360,6 +360,7 @@ class PgStore:
             pending=pending,
             due=due,
             scheduled=scheduled,
+            gated=gated,
             in_flight=in_flight,
             oldest_pending_age_seconds=None if oldest is None else float(oldest),
             archived=archived,

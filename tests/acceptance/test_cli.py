@@ -35,6 +35,7 @@ def test_migrate_twice_then_stats(empty_database_url: str) -> None:
         "dead": 0,
         "dead_by_reason": {},
         "due": 0,
+        "gated": 0,
         "in_flight": 0,
         "oldest_pending_age_seconds": None,
         "pending": 0,

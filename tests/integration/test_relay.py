@@ -207,3 +207,29 @@ async def test_stats_reflect_the_outbox(
     after = await app.stats(settings)
     assert (after.pending, after.due, after.scheduled, after.in_flight) == (1, 0, 1, 0)
     assert (after.archived, after.dead, after.dead_by_reason) == (1, 1, {"unroutable": 1})
+
+
+async def test_stats_and_the_gauges_count_due_the_same_way(
+    settings: config.Settings, database_url: str
+) -> None:
+    """Due means claimable now, in `stats` as in the gauges: a message behind an earlier one of
+    its key is gated, not due (stats once said `due 3 … gated 3` while the gauge said 0)."""
+    await enqueue(
+        database_url,
+        *[dict(exchange="x", routing_key="k", body=b"", ordering_key="order-1")] * 3,
+        dict(exchange="x", routing_key="k", body=b"", available_at=timedelta(hours=1)),
+    )
+    stats = await app.stats(settings)
+    seen = stats.observation
+    assert seen is not None
+    assert (stats.pending, stats.due, stats.scheduled, stats.gated) == (4, 1, 1, 2)
+    assert (seen.due, seen.scheduled, seen.gated) == (stats.due, stats.scheduled, stats.gated)
+    with psycopg.connect(database_url) as conn:  # its relay died: the lease ran out
+        conn.execute(
+            "UPDATE outbox.messages SET claim_id = gen_random_uuid(), available_at = now()"
+            " WHERE ordering_key = 'order-1' AND NOT gated"
+        )
+    stats = await app.stats(settings)
+    seen = stats.observation
+    assert seen is not None
+    assert (stats.due, stats.in_flight, seen.due, seen.in_flight) == (1, 0, 1, 0)

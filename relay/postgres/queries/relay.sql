@@ -98,19 +98,24 @@ FROM {schema}.forget_idle_keys(make_interval(secs => %(idle)s), %(after)s, %(lim
 -- name: message_stats
 -- The ready lane's part comes from lane_gauges (migration 0019): index look-ups whose cost follows
 -- the backlog, not the ring.
+-- The states are the gauges' (observe): due = may be claimed now (a lease that ran out included),
+-- scheduled = later, gated = behind an earlier message of its key; pending is all three.
 WITH slow AS (
     SELECT
         count(*) FILTER (WHERE NOT leased) AS pending,
-        count(*) FILTER (WHERE NOT leased AND available_at <= now()) AS due,
-        count(*) FILTER (WHERE NOT leased AND available_at > now()) AS scheduled,
+        count(*) FILTER (WHERE NOT leased AND NOT gated AND available_at <= now()) AS due,
+        count(*) FILTER (WHERE NOT leased AND NOT gated AND available_at > now()) AS scheduled,
+        count(*) FILTER (WHERE NOT leased AND gated) AS gated,
         count(*) FILTER (WHERE leased) AS in_flight,
-        min(created_at) FILTER (WHERE NOT leased AND available_at <= now()) AS oldest
+        min(created_at) FILTER (WHERE NOT leased AND NOT gated AND available_at <= now())
+            AS oldest
     FROM (
-        SELECT created_at, available_at, claim_id IS NOT NULL AND available_at > now() AS leased
+        SELECT created_at, available_at, gated,
+               claim_id IS NOT NULL AND available_at > now() AS leased
         FROM {schema}.messages
     ) AS m
 )
-SELECT slow.pending + fast.due AS pending, slow.due + fast.due AS due, slow.scheduled,
+SELECT slow.pending + fast.due AS pending, slow.due + fast.due AS due, slow.scheduled, slow.gated,
        slow.in_flight + fast.in_flight AS in_flight,
        extract(epoch FROM now() - least(slow.oldest, fast.oldest)) AS oldest_pending_age
 FROM slow, {schema}.lane_gauges() AS fast;
@@ -148,6 +153,10 @@ SELECT
     (SELECT count(*) FROM (SELECT 1 FROM {schema}.messages
                            WHERE claim_id IS NULL AND NOT gated AND available_at <= now()
                            LIMIT 1000000) AS s)
+    -- leases that ran out (their relay died): due again, for the orphan claim
+    + (SELECT count(*) FROM (SELECT 1 FROM {schema}.messages
+                             WHERE claim_id IS NOT NULL AND available_at <= now()
+                             LIMIT 1000000) AS s)
     + lane.due AS due,
     (SELECT count(*) FROM (SELECT 1 FROM {schema}.messages
                            WHERE claim_id IS NULL AND NOT gated AND available_at > now()
