@@ -85,7 +85,10 @@ async def startup(
         say(f"waiting for {what} (for up to {within:g}s in all): {problem}")
 
     retrying = tenacity.AsyncRetrying(
-        retry=tenacity.retry_if_exception(retry.is_transient),
+        # A refusal (credentials, a database or vhost that does not exist) fails start-up at once.
+        retry=tenacity.retry_if_exception(
+            lambda exc: retry.is_transient(exc) and not isinstance(exc, errors.Refused)
+        ),
         wait=retry.reconnect_wait(maximum=5.0),
         stop=tenacity.stop_after_delay(within),
         sleep=lambda seconds: _unless_stopped(asyncio.sleep(seconds), stop),

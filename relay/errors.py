@@ -2,26 +2,32 @@
 (relay.core.errors)."""
 
 from relay.core.errors import (
+    BrokerRefused,
     BrokerUnavailable,
     ConfigError,
+    DatabaseRefused,
     DatabaseUnavailable,
     DuplicateMessage,
     InvalidArgument,
     InvalidMessage,
     MigrationError,
+    Refused,
     RelayError,
     SchemaMissing,
     TransientError,
 )
 
 __all__ = [
+    "BrokerRefused",
     "BrokerUnavailable",
     "ConfigError",
+    "DatabaseRefused",
     "DatabaseUnavailable",
     "DuplicateMessage",
     "InvalidArgument",
     "InvalidMessage",
     "MigrationError",
+    "Refused",
     "RelayError",
     "SchemaMissing",
     "TransientError",

@@ -130,6 +130,22 @@ class AmqpPublisher:
             self._connection = connection
             self._frame_max = _frame_max(connection)
             self._unblocked = _unblocked_event(connection)
+        except aiormq.exceptions.ProbableAuthenticationError as exc:
+            await self.close()
+            raise errors.BrokerRefused(
+                f"RabbitMQ refused the login ({outcomes.describe(exc)}); check the user and "
+                "password in OUTBOX_AMQP_URL"
+            ) from exc
+        except aiormq.exceptions.InvalidFrameError as exc:
+            await self.close()
+            if "Connection.Close" not in str(exc):
+                raise errors.BrokerUnavailable(
+                    f"RabbitMQ unavailable: {outcomes.describe(exc)}"
+                ) from exc
+            raise errors.BrokerRefused(
+                "RabbitMQ closed the connection as it opened: the virtual host in "
+                "OUTBOX_AMQP_URL does not exist, or this user may not use it"
+            ) from exc
         except (*outcomes.CONNECTION_ERRORS, RuntimeError) as exc:
             await self.close()
             raise errors.BrokerUnavailable(

@@ -42,3 +42,17 @@ class DatabaseUnavailable(TransientError):
 
 class BrokerUnavailable(TransientError):
     """RabbitMQ could not be reached, or the connection broke mid-operation."""
+
+
+class Refused(TransientError):
+    """A service answered and refused this relay: wrong credentials, or a database, role or
+    virtual host that does not exist. Start-up fails at once on it (retrying cannot help until
+    the settings change); a running relay goes on retrying, saying why (credentials rotate)."""
+
+
+class DatabaseRefused(DatabaseUnavailable, Refused):
+    """PostgreSQL refused the connection (authentication, role, database)."""
+
+
+class BrokerRefused(BrokerUnavailable, Refused):
+    """RabbitMQ refused the connection (login, virtual host)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +25,15 @@ _MISSING = (
 )
 
 
+#: What the server says when it answers but will not let this login in (libpq carries no SQLSTATE
+#: for a failed connection, only the server's message: English unless the server's lc_messages
+#: says otherwise, in which case such a refusal is retried as an outage).
+_REFUSED = re.compile(
+    r"FATAL:\s+(password authentication failed|role \S+ does not exist|database \S+ does not exist"
+    r"|no pg_hba\.conf entry|permission denied for database|.*authentication failed)"
+)
+
+
 @contextlib.contextmanager
 def translate_errors(schema: str) -> Iterator[None]:
     """Outages become DatabaseUnavailable and a missing schema SchemaMissing; anything else (a bug,
@@ -36,7 +46,13 @@ def translate_errors(schema: str) -> Iterator[None]:
             "run `outbox-relay migrate`"
         ) from exc
     except (psycopg.OperationalError, psycopg_pool.PoolTimeout) as exc:
-        raise errors.DatabaseUnavailable(f"PostgreSQL unavailable: {first_line(exc)}") from exc
+        line = first_line(exc)
+        if _REFUSED.search(str(exc)):
+            raise errors.DatabaseRefused(
+                f"PostgreSQL refused the connection: {line}; check the user, password and "
+                "database name in OUTBOX_DATABASE_URL (and pg_hba.conf)"
+            ) from exc
+        raise errors.DatabaseUnavailable(f"PostgreSQL unavailable: {line}") from exc
 
 
 @contextlib.contextmanager

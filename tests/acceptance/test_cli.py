@@ -125,6 +125,37 @@ def test_run_gives_up_on_an_unreachable_broker_after_the_startup_timeout(
     assert "t0psecret" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("database", "broker", "says"),
+    [
+        (
+            "nothing_here",
+            None,
+            'database "nothing_here" does not exist; check the user',
+        ),
+        (None, "amqp://guest:wrong-pw@127.0.0.1:5672/", "RabbitMQ refused the login"),
+        (None, "amqp://guest:guest@127.0.0.1:5672/no-such-vhost", "the virtual host in"),
+    ],
+)
+def test_a_refusal_fails_start_up_at_once_saying_what_to_check(
+    database_url: str, database: str | None, broker: str | None, says: str
+) -> None:
+    """Wrong credentials, or a database or vhost that does not exist, are not outages: start-up
+    ends in one line (it retried them for the whole start-up timeout before)."""
+    url = database_url if database is None else database_url.rsplit("/", 1)[0] + "/" + database
+    env = clean_env(OUTBOX_DATABASE_URL=url, OUTBOX_STARTUP_TIMEOUT="60")
+    if broker is not None:
+        env["OUTBOX_AMQP_URL"] = broker
+    started = time.monotonic()
+    result = run_cli("run", env=env)
+    assert time.monotonic() - started < 30  # well inside the 60 s it would have retried
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 1, result.stderr
+    assert last.startswith("outbox-relay: error: "), result.stderr
+    assert says in last
+    assert "wrong-pw" not in result.stderr
+
+
 def test_run_on_a_database_without_the_schema(empty_database_url: str, amqp_url: str) -> None:
     env = clean_env(OUTBOX_DATABASE_URL=empty_database_url, OUTBOX_AMQP_URL=amqp_url)
     result = run_cli("run", env=env)
