@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import configparser
 import json
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -136,13 +137,71 @@ def by_kind() -> dict[str, dict[str, Any]]:
 
 
 PIPELINE = DEPLOY / "kubernetes" / "pipeline-cronjob.yaml"
+SECRETS = DEPLOY / "kubernetes" / "secrets.example.yaml"
 
 
 def test_manifests_match_the_kubernetes_schemas() -> None:
-    for doc in [*yaml_docs(MANIFESTS), *yaml_docs(PIPELINE)]:
+    for doc in [*yaml_docs(MANIFESTS), *yaml_docs(PIPELINE), *yaml_docs(SECRETS)]:
         kubernetes_validate.validate(doc, "1.30.0", strict=True)
     (monitor,) = yaml_docs(DEPLOY / "kubernetes" / "servicemonitor.yaml")  # a CRD: no schema
     assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+
+
+def test_the_operators_job_label_is_the_one_the_alerts_and_dashboard_use() -> None:
+    """Under the Prometheus Operator the job label comes from the ServiceMonitor's jobLabel (else
+    from the Service's name, outbox-relay-metrics, and the down alert fires forever)."""
+    (monitor,) = yaml_docs(DEPLOY / "kubernetes" / "servicemonitor.yaml")
+    labels = by_kind()["Service"]["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    job = labels[monitor["spec"]["jobLabel"]]
+    alerts = (DEPLOY / "prometheus" / "alerts.yml").read_text(encoding="utf-8")
+    dashboard = (DEPLOY / "grafana" / "outbox-relay.json").read_text(encoding="utf-8")
+    named = set(re.findall(r'job=\\?"([^"\\]+)', alerts + dashboard))
+    assert named == {job}
+
+
+def pods() -> list[tuple[str, dict[str, Any]]]:
+    """Every pod template in the manifests, by the kind that owns it."""
+    docs = [*yaml_docs(MANIFESTS), *yaml_docs(PIPELINE)]
+    found = [
+        (d["kind"], d["spec"]["template"]["spec"])
+        for d in docs
+        if d["kind"] in {"Job", "Deployment"}
+    ]
+    found += [
+        (d["kind"], d["spec"]["jobTemplate"]["spec"]["template"]["spec"])
+        for d in docs
+        if d["kind"] == "CronJob"
+    ]
+    return found
+
+
+@pytest.mark.parametrize("kind", ["Deployment", "Job", "CronJob"])
+def test_every_pod_meets_the_restricted_pod_security_standard(kind: str) -> None:
+    (pod,) = [p for k, p in pods() if k == kind]
+    assert pod["automountServiceAccountToken"] is False
+    security = pod["securityContext"]
+    assert security["runAsNonRoot"] is True
+    assert security["seccompProfile"]["type"] == "RuntimeDefault"
+    for container in [*pod.get("initContainers", []), *pod["containers"]]:
+        context = container["securityContext"]
+        assert context["allowPrivilegeEscalation"] is False, container["name"]
+        assert context["capabilities"]["drop"] == ["ALL"], container["name"]
+
+
+def test_the_disruption_budget_never_blocks_a_drain_during_an_outage() -> None:
+    budget = by_kind()["PodDisruptionBudget"]["spec"]
+    assert budget["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+
+
+def test_the_file_re_applied_on_upgrades_holds_no_secret() -> None:
+    kinds = {doc["kind"] for doc in yaml_docs(MANIFESTS)}
+    assert "Secret" not in kinds
+    assert {doc["kind"] for doc in yaml_docs(SECRETS)} == {"Secret"}
+    job = by_kind()["Job"]["metadata"]["name"]
+    (container,) = by_kind()["Deployment"]["spec"]["template"]["spec"]["containers"]
+    version = container["image"].rpartition(":")[2]
+    assert job.endswith(version.replace(".", "-"))  # a new release's Job is a new Job
 
 
 def test_deployment_is_wired_for_probes_scraping_and_graceful_stops() -> None:
@@ -173,7 +232,7 @@ def test_deployment_is_wired_for_probes_scraping_and_graceful_stops() -> None:
 def secret_files() -> dict[str, dict[str, str]]:
     """For each container (by name) of every pod in the manifests: the OUTBOX_*_FILE variables
     it sets, resolved to the Secret value the mounted file would hold."""
-    docs = [*yaml_docs(MANIFESTS), *yaml_docs(PIPELINE)]
+    docs = [*yaml_docs(MANIFESTS), *yaml_docs(PIPELINE), *yaml_docs(SECRETS)]
     secrets = {d["metadata"]["name"]: d["stringData"] for d in docs if d["kind"] == "Secret"}
     pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in {"Job", "Deployment"}]
     pods += [
