@@ -27,7 +27,7 @@ from relay.console.options import (
     flag,
     settings_options,
 )
-from relay.core import config, eventloop, logs
+from relay.core import config, errors, eventloop, logs
 from relay.pipeline import commands as pipeline_commands
 from relay.postgres import migrate as migrations
 from relay.postgres import roles as access
@@ -47,13 +47,31 @@ def main() -> None:
 
 
 @main.command()
+@click.option(
+    "--status", "show_status", is_flag=True, help="List each migration: applied or pending."
+)
+@click.option(
+    "--print-sql",
+    is_flag=True,
+    help="Print the SQL of the pending migrations instead of applying it (for Alembic, Flyway…).",
+)
 @settings_options("database_url", "db_schema", "log_level")
 @fail_cleanly
-def migrate(**flags: Any) -> None:
+def migrate(show_status: bool, print_sql: bool, **flags: Any) -> None:
     """Create or upgrade the outbox schema (idempotent; safe when several run at once)."""
     settings = config.load(**flags)
+    url = settings.database_url.get_secret_value()
+    if show_status and print_sql:
+        raise errors.InvalidArgument("--status and --print-sql exclude each other")
+    if show_status:
+        for migration, state in migrations.status(url, settings.db_schema):
+            click.echo(f"{migration.label:<40} {state}")
+        return
+    if print_sql:
+        click.echo(migrations.script(url, settings.db_schema), nl=False)
+        return
     logs.configure(settings.log_level, settings.log_format)
-    result = migrations.migrate(settings.database_url.get_secret_value(), settings.db_schema)
+    result = migrations.migrate(url, settings.db_schema)
     if result.applied:
         names = ", ".join(m.label for m in result.applied)
         click.echo(f'applied {names}; schema "{settings.db_schema}" is at version {result.version}')

@@ -122,3 +122,70 @@ def _apply_one(conn: psycopg.Connection[Any], q: sql.Queries, migration: Migrati
         raise errors.MigrationError(
             f"migration {migration.label} failed: {exc.diag.message_primary or exc}"
         ) from exc
+
+
+def status(conninfo: str, schema: str) -> list[tuple[Migration, str]]:
+    """Each migration in this release with its state in the database: `applied`, `pending`, or
+    `changed` (applied, but the file differs: migrate will refuse). Reads only."""
+    values.check_identifier(schema)
+    with pg.session(conninfo, schema, "migrate --status") as conn:
+        applied = _recorded(conn, sql.load(schema), schema)
+    return [
+        (
+            m,
+            "pending"
+            if m.version not in applied
+            else "applied"
+            if applied[m.version] == m.checksum
+            else "changed",
+        )
+        for m in discover()
+    ]
+
+
+def script(conninfo: str, schema: str) -> str:
+    """The SQL `migrate` would run now, for a schema-change tool (Alembic, Flyway, Liquibase) to
+    apply instead: each pending migration in a transaction of its own, recorded as `migrate`
+    records it, so `migrate` afterwards finds nothing to do. Reads only. MigrationError if an
+    applied file changed."""
+    values.check_identifier(schema)
+    q = sql.load(schema)
+    with pg.session(conninfo, schema, "migrate --print-sql") as conn:
+        applied = _recorded(conn, q, schema)
+        changed = [m.label for m in discover() if applied.get(m.version, m.checksum) != m.checksum]
+        if changed:
+            raise errors.MigrationError(
+                f"migration {changed[0]} changed after it was applied; "
+                "add a new migration instead of editing an old one"
+            )
+        pending = [m for m in discover() if m.version not in applied]
+        literal = psycopg.ClientCursor(conn)
+        parts = [
+            f"-- outbox-relay: {len(pending)} pending migration(s) for schema {schema}.",
+            "-- Apply as the schema's owner; then run `outbox-relay roles` if you use its roles.",
+            f"{q.create_schema};",
+            f"{q.create_migrations_table};",
+        ]
+        for m in pending:
+            record = literal.mogrify(
+                q.record_migration,
+                {"version": m.version, "name": m.name, "checksum": m.checksum},
+            )
+            parts += [
+                f"\n-- {m.label}",
+                "BEGIN;",
+                f"{q.migration_search_path};",
+                m.text.strip(),
+                f"{record};",
+                "COMMIT;",
+            ]
+        parts.append(f"\n{q.revoke_public_execute};")
+    return "\n".join(parts) + "\n"
+
+
+def _recorded(conn: psycopg.Connection[Any], q: sql.Queries, schema: str) -> dict[int, str]:
+    """Applied versions and their checksums; none before the first migrate."""
+    row = conn.execute(q.migrations_recorded, {"table": f'"{schema}".schema_migrations'}).fetchone()
+    if row is None or not row[0]:
+        return {}
+    return {int(v): str(c) for v, _, c in conn.execute(q.applied_migrations).fetchall()}

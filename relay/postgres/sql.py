@@ -41,6 +41,7 @@ class Queries:
     create_schema: LiteralString
     create_migrations_table: LiteralString
     applied_migrations: LiteralString
+    migrations_recorded: LiteralString
     migration_search_path: LiteralString
     record_migration: LiteralString
     revoke_public_execute: LiteralString

@@ -20,6 +20,10 @@ CREATE TABLE IF NOT EXISTS {schema}.schema_migrations (
     applied_at timestamptz NOT NULL DEFAULT now()
 );
 
+-- name: migrations_recorded
+-- Whether this schema has a migrations table yet (`migrate --status` and `--print-sql` only read).
+SELECT to_regclass(%(table)s) IS NOT NULL;
+
 -- name: applied_migrations
 SELECT version, name, checksum FROM {schema}.schema_migrations ORDER BY version;
 
