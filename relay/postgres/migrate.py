@@ -152,13 +152,14 @@ def script(conninfo: str, schema: str) -> str:
     q = sql.load(schema)
     with pg.session(conninfo, schema, "migrate --print-sql") as conn:
         applied = _recorded(conn, q, schema)
-        changed = [m.label for m in discover() if applied.get(m.version, m.checksum) != m.checksum]
+        ours = discover()
+        changed = [m.label for m in ours if applied.get(m.version, m.checksum) != m.checksum]
         if changed:
             raise errors.MigrationError(
                 f"migration {changed[0]} changed after it was applied; "
                 "add a new migration instead of editing an old one"
             )
-        pending = [m for m in discover() if m.version not in applied]
+        pending = [m for m in ours if m.version not in applied]
         literal = psycopg.ClientCursor(conn)
         parts = [
             f"-- outbox-relay: {len(pending)} pending migration(s) for schema {schema}.",

@@ -29,8 +29,8 @@ _MISSING = (
 #: for a failed connection, only the server's message: English unless the server's lc_messages
 #: says otherwise, in which case such a refusal is retried as an outage).
 _REFUSED = re.compile(
-    r"FATAL:\s+(password authentication failed|role \S+ does not exist|database \S+ does not exist"
-    r"|no pg_hba\.conf entry|permission denied for database|.*authentication failed)"
+    r"FATAL:\s+(.*authentication failed|role \S+ does not exist|database \S+ does not exist"
+    r"|no pg_hba\.conf entry|permission denied for database)"
 )
 
 
