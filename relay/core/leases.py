@@ -11,6 +11,7 @@ may already have taken over (docs/decisions/0001).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -46,6 +47,23 @@ class Keeper:
         self._lease = lease
         self._clock = clock
         self._holds: dict[UUID, _Hold] = {}
+        #: The next batch, claimed while this one is published (or with its settle): at most one.
+        self._ahead: asyncio.Future[tuple[model.Claim, float]] | None = None
+
+    @property
+    def claimed_ahead(self) -> bool:
+        """Whether a batch is claimed (or being claimed) ahead of the next cycle."""
+        return self._ahead is not None
+
+    def keep_ahead(self, claiming: asyncio.Future[tuple[model.Claim, float]]) -> None:
+        """Keep the batch being claimed ahead (its rows are held once the claim returns)."""
+        assert self._ahead is None, "one batch is claimed ahead at a time"
+        self._ahead = claiming
+
+    def take_ahead(self) -> asyncio.Future[tuple[model.Claim, float]] | None:
+        """Hand over the batch claimed ahead, if any: the caller publishes or gives it back."""
+        ahead, self._ahead = self._ahead, None
+        return ahead
 
     def hold(self, claim: model.Claim, sent_at: float) -> None:
         """Keep `claim`'s rows, claimed by a request sent at `sent_at` (by this keeper's clock)."""

@@ -6,18 +6,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
 from uuid import UUID
 
 import tenacity
 
-from relay.core import chores, errors, leases, logs, model, policy, ports, retry
+from relay.core import chores, errors, leases, model, policy, ports, retry, waiting
 from relay.core.policy import Options, plan, release
 
 __all__ = ["Options", "Relay", "plan", "release"]
 
-T = TypeVar("T")
 log = logging.getLogger("relay.loop")  # the name log lines carry: as before the folders
 
 Outcome = model.Outcome
@@ -55,7 +53,6 @@ class Relay:
         self._stopping = asyncio.Event()  # claim nothing more; give back what is not yet sent
         self._abort = asyncio.Event()  # the shutdown grace is over: stop waiting for confirms
         self._next_orphan_check = 0.0
-        self._prefetched: asyncio.Future[tuple[model.Claim, float]] | None = None
         self.leases = leases.Keeper(store, options.lease, clock)
         #: The keeper's heartbeat, as a supervised chore (the composition root watches it).
         self.heartbeat = chores.Chore(
@@ -65,9 +62,8 @@ class Relay:
             stall_after=options.lease * 3,
             on_error=on_chore_error,
         )
-        self.last_progress = (
-            time.monotonic()
-        )  # for /livez: the loop is cycling, or waiting on purpose
+        #: For /livez: the loop is cycling, or waiting on purpose.
+        self.last_progress = time.monotonic()
 
     def tick(self) -> None:
         """Note that the loop is alive: it cycled, or is deliberately waiting (for work, an outage
@@ -77,6 +73,16 @@ class Relay:
     def _outage(self, state: tenacity.RetryCallState) -> None:
         self.tick()  # waiting out an outage is not hanging
         _log_outage(state)
+
+    def _retrying(self, sleep: Callable[[float], Awaitable[None]]) -> tenacity.AsyncRetrying:
+        """Retry outages with back-off (noting progress: waiting one out is not hanging)."""
+        return tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception(retry.is_transient),
+            wait=retry.reconnect_wait(maximum=self._options.reconnect_max_delay),
+            sleep=sleep,
+            before_sleep=self._outage,
+            reraise=True,
+        )
 
     async def run_once(self) -> model.CycleReport:
         """One cycle: publish a batch of due rows, then (twice a lease) bury orphans that used up
@@ -110,7 +116,7 @@ class Relay:
 
     async def _claim(self) -> tuple[model.Claim, float]:
         """The batch claimed ahead during the last cycle, else a fresh claim."""
-        prefetched, self._prefetched = self._prefetched, None
+        prefetched = self.leases.take_ahead()
         if prefetched is not None:
             try:
                 return await prefetched
@@ -131,7 +137,7 @@ class Relay:
     async def drop_prefetched(self) -> None:
         """Give back a batch claimed ahead that no cycle will publish (stopping, blocked, or no
         broker to publish it to): due at once, for any replica, its attempt refunded."""
-        prefetched, self._prefetched = self._prefetched, None
+        prefetched = self.leases.take_ahead()
         if prefetched is None:
             return
         try:
@@ -187,13 +193,13 @@ class Relay:
                     self.tick()
                     # A wake-up that came after the next batch was claimed (with the last settle)
                     # is for rows that claim did not see: keep it for after that batch.
-                    if self._prefetched is None:
+                    if not self.leases.claimed_ahead:
                         self.wake.clear()
                     report = await self._cycle(stop)
                     # Straight on while the next batch is already claimed, while batches come
                     # back full (in rows, or in bytes: cut short), or when settles freed keyed
                     # rows.
-                    if report is None or self._prefetched is not None:
+                    if report is None or self.leases.claimed_ahead:
                         continue
                     if report.claimed >= self._options.batch_size:
                         continue
@@ -204,7 +210,7 @@ class Relay:
                     if report.blocked:
                         await self._wait_unblocked(stop)
                         continue
-                    await _wait_any((self.wake, stop), self._options.poll_interval)
+                    await waiting.any_event((self.wake, stop), self._options.poll_interval)
             finally:
                 grace.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -239,21 +245,14 @@ class Relay:
         )
         while self._publisher.blocked and not stop.is_set():
             self.tick()
-            await _wait_any_of(
+            await waiting.any_of(
                 (self._publisher.until_unblocked(), stop.wait()), self._options.poll_interval
             )
         if not stop.is_set():
             log.info("RabbitMQ accepts publishes again")
 
     async def _cycle(self, stop: asyncio.Event) -> model.CycleReport | None:
-        retrying = tenacity.AsyncRetrying(
-            retry=tenacity.retry_if_exception(retry.is_transient),
-            wait=retry.reconnect_wait(maximum=self._options.reconnect_max_delay),
-            sleep=lambda seconds: _wait_any((stop,), seconds),
-            before_sleep=self._outage,
-            reraise=True,
-        )
-        async for attempt in retrying:
+        async for attempt in self._retrying(lambda seconds: waiting.any_event((stop,), seconds)):
             with attempt:
                 if stop.is_set():
                     return None
@@ -262,20 +261,7 @@ class Relay:
 
     async def _bury(self) -> model.CycleReport:
         buried = await self._store.bury_exhausted(self._options.max_attempts)
-        for message_id, attempts in buried:
-            log.warning(
-                "dead-lettered message_id=%s attempt=%d reason=max_attempts "
-                "detail=never settled, its relays kept dying (moved to dead unread)",
-                message_id,
-                attempts,
-                extra=logs.event(
-                    event="dead_lettered",
-                    message_id=message_id,
-                    attempt=attempts,
-                    reason="max_attempts",
-                    detail="never settled (moved unread)",
-                ),
-            )
+        policy.log_buried(buried)
         if not buried:
             return model.CycleReport()
         return model.CycleReport(
@@ -324,7 +310,7 @@ class Relay:
         exhausted = [m for m in mine if m.attempts > self._options.max_attempts]
         to_send = [m for m in mine if m.attempts <= self._options.max_attempts]
         if self._options.prefetch and (len(batch) >= self._options.batch_size or claim.cut_short):
-            self._prefetched = asyncio.ensure_future(self._claim_now())
+            self.leases.keep_ahead(asyncio.ensure_future(self._claim_now()))
         results: list[model.PublishResult] = []
         if to_send:
             sending = frozenset(m.id for m in to_send)
@@ -348,18 +334,12 @@ class Relay:
         chain = (
             chain
             and self._options.prefetch
-            and self._prefetched is None
+            and not self.leases.claimed_ahead
             and not settlement.retry
             and not self._publisher.blocked
             and not self._stopping.is_set()
         )
-        retrying = tenacity.AsyncRetrying(
-            retry=tenacity.retry_if_exception(retry.is_transient),
-            wait=retry.reconnect_wait(maximum=self._options.reconnect_max_delay),
-            before_sleep=self._outage,
-            reraise=True,
-        )
-        async for attempt in retrying:
+        async for attempt in self._retrying(asyncio.sleep):
             with attempt:
                 if not chain:
                     return await self._store.settle(claim_id, settlement)
@@ -369,16 +349,9 @@ class Relay:
                 )
                 if following.messages:
                     self.leases.hold(following, sent)
-                    self._prefetched = _ready((following, self._clock() - sent))
+                    self.leases.keep_ahead(waiting.ready((following, self._clock() - sent)))
                 return counts
         raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _ready(value: T) -> asyncio.Future[T]:
-    """A future that already holds `value`."""
-    future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-    future.set_result(value)
-    return future
 
 
 async def _timed(claiming: Awaitable[model.Claim]) -> tuple[model.Claim, float]:
@@ -391,19 +364,3 @@ def _log_outage(state: tenacity.RetryCallState) -> None:
     exc = state.outcome.exception() if state.outcome else None
     wait = state.next_action.sleep if state.next_action else 0.0
     log.warning("%s; retrying in %.1fs (attempt %d)", exc, wait, state.attempt_number)
-
-
-async def _wait_any(events: Sequence[asyncio.Event], seconds: float | None) -> None:
-    """Return when any event is set or after `seconds`, whichever is first."""
-    await _wait_any_of([e.wait() for e in events], seconds)
-
-
-async def _wait_any_of(awaitables: Sequence[Awaitable[object]], seconds: float | None) -> None:
-    waiters = [asyncio.ensure_future(a) for a in awaitables]
-    try:
-        await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for waiter in waiters:
-            waiter.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(*waiters, return_exceptions=True)

@@ -152,20 +152,12 @@ def log_transitions(
     by_id = {m.id: m for m in batch}
     for dead in settlement.dead:
         message = by_id[dead.id]
-        log.warning(
-            "dead-lettered message_id=%s attempt=%d reason=%s detail=%s",
+        _dead_lettered(
             message.message_id,
             message.attempts,
             dead.reason.value,
             dead.detail,
-            extra=logs.event(
-                event="dead_lettered",
-                message_id=message.message_id,
-                attempt=message.attempts,
-                reason=dead.reason.value,
-                detail=dead.detail,
-                ordering_key=message.ordering_key,
-            ),
+            message.ordering_key,
         )
     if counts.fenced:
         log.warning(
@@ -191,3 +183,29 @@ def log_transitions(
             again.refund,
             again.error,
         )
+
+
+def log_buried(buried: Sequence[tuple[object, int]]) -> None:
+    """Each orphan buried unread (its relays kept dying) is a dead letter of its own."""
+    for message_id, attempts in buried:
+        _dead_lettered(message_id, attempts, "max_attempts", "never settled (moved unread)")
+
+
+def _dead_lettered(
+    message_id: object, attempt: int, reason: str, detail: str, key: str | None = None
+) -> None:
+    log.warning(
+        "dead-lettered message_id=%s attempt=%d reason=%s detail=%s",
+        message_id,
+        attempt,
+        reason,
+        detail,
+        extra=logs.event(
+            event="dead_lettered",
+            message_id=message_id,
+            attempt=attempt,
+            reason=reason,
+            detail=detail,
+            ordering_key=key,
+        ),
+    )

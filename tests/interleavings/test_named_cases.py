@@ -367,3 +367,28 @@ def test_a_settle_that_claimed_unbeknown_to_its_relay_leaves_the_successor_to_it
     world.advance(LEASE * 1.1)
     assert world.finish() == []
     assert [(seq, attempt) for seq, attempt, _ in sent(world, "k")] == [(1, 1), (2, 2)]
+
+
+def test_a_relay_stopping_while_its_claim_ahead_is_in_flight_gives_that_batch_back(
+    world: World,
+) -> None:
+    # The batch claimed ahead lives in the lease keeper, not in the cycle that asked for it: a
+    # relay told to stop before that claim returned must wait for it and give its rows back (due
+    # at once, the attempt refunded), not leave them to run out their lease.
+    a = world.relays[0]
+    world.commit_now(None, None, None, "k", "k", "k")
+    world.until(a, "publish")  # a full batch of three: a is claiming the next one ahead
+    ahead = world.first(a, "claim")
+    a.stopping = True
+    world.grant(world.first(a, "publish"), "ack")
+    world.grant(world.until(a, "settle"))  # the first batch settles…
+    while [c for c in a.pending if c is not ahead]:  # …and the cycle ends
+        world.grant(next(c for c in a.pending if c is not ahead))
+    assert a.pending == [ahead]  # the cycle is over: the stop waits for the claim ahead
+    world.grant(ahead)  # which lands only now, holding k#1…
+    world.grant(world.until(a, "settle"))  # …and is given back
+    assert a.stopped
+    assert world.finish() == []
+    # Sent by the others (the drain's), in order, each at its first attempt: a sent none of them.
+    assert [(seq, attempt) for seq, attempt, _ in sent(world, "k")] == [(1, 1), (2, 1), (3, 1)]
+    assert all(relay != a.name for _, _, relay in sent(world, "k"))

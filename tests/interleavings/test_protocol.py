@@ -1,8 +1,8 @@
 """The relay protocol under interleavings Hypothesis chooses: relays' claims, claims ahead,
 publishes (acked, nacked, returned, lost), settles and claims (also held open, a claim then
-committing or rolling back), heartbeats, lease expiry,
-crashes and restarts, broker outages; producers committing and rolling back, keyed, at READ
-COMMITTED and REPEATABLE READ; operators releasing and replaying keys and changing the policy.
+committing or rolling back), heartbeats, lease expiry, graceful stops, crashes and restarts,
+broker outages; producers committing and rolling back, keyed, at READ COMMITTED and REPEATABLE
+READ; operators releasing and replaying keys and changing the policy.
 After every step: no row is held by two live claims, and every send so far was by the claim
 holding the row, from a committed transaction, with no lower attempt after a higher one and
 nothing of a key after its successor. Once the steps stop: everything committed ends published or
@@ -135,6 +135,16 @@ class Protocol(RuleBasedStateMachine):
         self.crashes += 1
         self.world.crash(data.draw(st.sampled_from(self.world.alive())))
         if restart or not self.world.alive():
+            self.world.start_relay()
+
+    @precondition(lambda self: any(not r.stopping for r in self.world.alive()))
+    @rule(data=st.data(), restart=st.booleans())
+    def stop(self, data: st.DataObject, restart: bool) -> None:
+        """A graceful stop (SIGTERM): the relay ends the cycle it is in, then gives back the batch
+        claimed ahead, waiting for that claim if it has not returned yet."""
+        running = [r for r in self.world.alive() if not r.stopping]
+        data.draw(st.sampled_from(running)).stopping = True
+        if restart:
             self.world.start_relay()
 
     @precondition(lambda self: self.world.alive())

@@ -274,16 +274,21 @@ class RelayActor:
         self.relay = loop.Relay(self.store, GatedBroker(self), options, clock=world.clock)
         self.beating: asyncio.Task[Any] | None = None
         self.cycles = 0  # run_once calls completed
+        self.stopping = False  # told to stop: it ends the cycle it is in, then gives back
+        self.stopped = False
         self.task = world.loop.create_task(self._cycle())
 
     def __repr__(self) -> str:
         return self.name
 
     async def _cycle(self) -> None:
-        while True:
+        while not self.stopping:
             with contextlib.suppress(errors.TransientError):
                 await self.relay.run_once()
             self.cycles += 1
+        # What `Relay.run` does once told to stop: give back the batch claimed ahead.
+        await self.relay.drop_prefetched()
+        self.stopped = True
 
     async def gate(self, method: str, run: Callable[[], Awaitable[T]], **kw: Any) -> T:
         """A store call: runs on the real store once the test grants it."""

@@ -1,0 +1,34 @@
+"""Waiting on whichever of several things happens first, with a deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def ready(value: T) -> asyncio.Future[T]:
+    """A future that already holds `value`."""
+    future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+    future.set_result(value)
+    return future
+
+
+async def any_event(events: Sequence[asyncio.Event], seconds: float | None) -> None:
+    """Return when any event is set or after `seconds`, whichever is first."""
+    await any_of([e.wait() for e in events], seconds)
+
+
+async def any_of(awaitables: Sequence[Awaitable[object]], seconds: float | None) -> None:
+    """Return when any awaitable is done or after `seconds`; cancel the rest."""
+    waiters = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*waiters, return_exceptions=True)
