@@ -6,21 +6,17 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import re
 import ssl
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-import aio_pika
 import aio_pika.abc
 import aiormq
 import aiormq.abc
 import aiormq.exceptions
-from pamqp import commands
 
-from relay.amqp import encoding, outcomes
+from relay.amqp import connection, encoding, exchanges, outcomes, sending
 from relay.amqp import frames as wire
 from relay.amqp.encoding import Encoded, InvalidRow
 from relay.core import errors, model
@@ -30,38 +26,7 @@ log = logging.getLogger("relay.publisher")  # the name log lines carry: as befor
 Outcome = model.Outcome
 Reason = model.DeadReason
 
-#: How long an exchange seen to exist is trusted before it is checked again.
-EXCHANGE_TTL = 30.0
-_NAMED_EXCHANGE = re.compile(r"exchange '((?:[^'\\]|\\.)*)'")
-
 Results = dict[int, model.PublishResult]
-
-
-class _Prebuilt(commands.Basic.Properties):
-    """Properties that marshal as encoding.encode wrote them, for aiormq's own basic_publish (a
-    message alone, or an aiormq `frames` cannot use): the same bytes on every path."""
-
-    def __init__(self, message_id: str, encoded: bytes) -> None:
-        super().__init__(message_id=message_id)  # aiormq tracks returns by message_id
-        self._encoded = encoded
-
-    def marshal(self) -> bytes:
-        return self._encoded
-
-
-def tls_context(
-    ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None
-) -> ssl.SSLContext:
-    """The TLS settings of an `amqps://` connection: the broker's certificate checked against
-    `ca_file` (else the system's trust store) and its host name verified; a client certificate if
-    given. ConfigError if a file is not what it should be."""
-    try:
-        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca_file)
-        if cert_file:
-            context.load_cert_chain(cert_file, key_file)
-    except (ssl.SSLError, OSError, ValueError) as exc:
-        raise errors.ConfigError(f"TLS settings for RabbitMQ: {exc}") from None
-    return context
 
 
 class AmqpPublisher:
@@ -80,7 +45,7 @@ class AmqpPublisher:
         *,
         confirm_timeout: float = 10.0,
         connect_timeout: float = 10.0,
-        exchange_ttl: float = EXCHANGE_TTL,
+        exchange_ttl: float = exchanges.EXCHANGE_TTL,
         tls: ssl.SSLContext | None = None,
     ) -> None:
         self._url = url
@@ -88,14 +53,12 @@ class AmqpPublisher:
         self._login = unquote(urlsplit(url).username or "guest")
         self._confirm_timeout = confirm_timeout
         self._connect_timeout = connect_timeout
-        self._exchange_ttl = exchange_ttl
+        self._exchanges = exchanges.ExchangeProbe(confirm_timeout, exchange_ttl)
         self._connection: aio_pika.abc.AbstractConnection | None = None
         self._channel: aiormq.abc.AbstractChannel | None = None
-        self._probe: aio_pika.abc.AbstractChannel | None = None
         self._unblocked: asyncio.Event | None = None
-        self._frame_max = 131072
+        self._frame_max = connection.DEFAULT_FRAME_MAX
         self._max_message_size: int | None = None  # learnt from the broker's refusals
-        self._exchanges_seen: dict[str, float] = {}
 
     @property
     def connected(self) -> bool:
@@ -121,36 +84,11 @@ class AmqpPublisher:
         if self.connected:
             return
         await self.close()
-        try:
-            connection = await aio_pika.connect(
-                self._url, timeout=self._connect_timeout, ssl_context=self._tls
-            )
-            channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
-            self._channel = await channel.get_underlay_channel()
-            self._connection = connection
-            self._frame_max = _frame_max(connection)
-            self._unblocked = _unblocked_event(connection)
-        except aiormq.exceptions.ProbableAuthenticationError as exc:
-            await self.close()
-            raise errors.BrokerRefused(
-                f"RabbitMQ refused the login ({outcomes.describe(exc)}); check the user and "
-                "password in OUTBOX_AMQP_URL"
-            ) from exc
-        except aiormq.exceptions.InvalidFrameError as exc:
-            await self.close()
-            if "Connection.Close" not in str(exc):
-                raise errors.BrokerUnavailable(
-                    f"RabbitMQ unavailable: {outcomes.describe(exc)}"
-                ) from exc
-            raise errors.BrokerRefused(
-                "RabbitMQ closed the connection as it opened: the virtual host in "
-                "OUTBOX_AMQP_URL does not exist, or this user may not use it"
-            ) from exc
-        except (*outcomes.CONNECTION_ERRORS, RuntimeError) as exc:
-            await self.close()
-            raise errors.BrokerUnavailable(
-                f"RabbitMQ unavailable: {outcomes.describe(exc)}"
-            ) from exc
+        self._connection, self._channel = await connection.open_confirming(
+            self._url, connect_timeout=self._connect_timeout, tls=self._tls
+        )
+        self._frame_max = connection.frame_max(self._connection)
+        self._unblocked = connection.unblocked_event(self._connection)
         if self._unblocked is None:
             log.warning(
                 "cannot see connection.blocked on this aiormq version; "
@@ -161,11 +99,12 @@ class AmqpPublisher:
     async def close(self) -> None:
         """Close the connection; give up waiting for the broker's reply after connect_timeout
         (a stalled network never sends one), which drops it all the same."""
-        connection, self._connection = self._connection, None
-        self._channel = self._probe = None
-        if connection is not None and not connection.is_closed:
+        closing, self._connection = self._connection, None
+        self._channel = None
+        self._exchanges.forget_channel()
+        if closing is not None and not closing.is_closed:
             with contextlib.suppress(*outcomes.CONNECTION_ERRORS, RuntimeError):
-                await asyncio.wait_for(connection.close(), self._connect_timeout)
+                await asyncio.wait_for(closing.close(), self._connect_timeout)
 
     async def publish(
         self,
@@ -181,7 +120,8 @@ class AmqpPublisher:
             except InvalidRow as exc:
                 results[i] = model.PublishResult(Outcome.INVALID, str(exc))
         abort = abort or asyncio.Event()
-        missing = await self._missing_exchanges({messages[i].exchange for i in ready}, abort)
+        names = {messages[i].exchange for i in ready}
+        missing = await self._exchanges.missing(self._connection, names, abort)
         for i in list(ready):
             early = self._refused_before_sending(messages[i], missing)
             if early is not None:
@@ -277,19 +217,16 @@ class AmqpPublisher:
         clock = outcomes.Stopwatch()
         if wire.usable(channel):
             try:
-                confirms = await self._write_batch(channel, messages, todo)
+                confirms = await sending.batch(channel, messages, todo, self._frame_max)
             except outcomes.CONNECTION_ERRORS as exc:
                 why = f"the channel closed before publishing: {outcomes.describe(exc)}"
                 return {i: outcomes.ambiguous(why) for i in todo}, None
             tasks = {i: clock.watch(i, c) for i, c in zip(todo, confirms, strict=True)}
         else:
-            tasks = {i: clock.watch(i, _send(channel, messages[i], e)) for i, e in todo.items()}
-        await outcomes.wait_all(list(tasks.values()), self._confirm_timeout, abort)
-        results = {
-            i: clock.time(i, outcomes.outcome(t, self._confirm_timeout, abort))
-            for i, t in tasks.items()
-        }
-        error = outcomes.channel_error(tasks.values())
+            tasks = {
+                i: clock.watch(i, sending.one(channel, messages[i], e)) for i, e in todo.items()
+            }
+        results, error = await self._confirms(clock, tasks, abort)
         if not self.connected:
             # aiormq may still write queued frames on a channel the broker closed, which makes the
             # broker close the whole connection: start again on a fresh one.
@@ -327,15 +264,29 @@ class AmqpPublisher:
                 continue
             assert self._channel is not None
             clock = outcomes.Stopwatch()
-            task = clock.watch(i, _send(self._channel, messages[i], encoded))
-            await outcomes.wait_all([task], self._confirm_timeout, abort)
-            error = outcomes.channel_error([task])
-            results[i] = clock.time(i, outcomes.outcome(task, self._confirm_timeout, abort))
+            task = clock.watch(i, sending.one(self._channel, messages[i], encoded))
+            got, error = await self._confirms(clock, {i: task}, abort)
+            results[i] = got[i]
             if error is not None:
                 results[i] = self._blame(error, messages, [i]).get(i) or outcomes.refusal(error)
             if not self.connected:
                 await self.close()
         return results, skipped
+
+    async def _confirms(
+        self,
+        clock: outcomes.Stopwatch,
+        tasks: Mapping[int, asyncio.Future[Any]],
+        abort: asyncio.Event,
+    ) -> tuple[Results, aiormq.exceptions.ChannelClosed | None]:
+        """Wait for the tasks' confirms (or the timeout, or `abort`): each one's outcome, timed,
+        and the channel error if the broker closed the channel."""
+        await outcomes.wait_all(list(tasks.values()), self._confirm_timeout, abort)
+        results = {
+            i: clock.time(i, outcomes.outcome(t, self._confirm_timeout, abort))
+            for i, t in tasks.items()
+        }
+        return results, outcomes.channel_error(tasks.values())
 
     def _blame(
         self,
@@ -345,115 +296,22 @@ class AmqpPublisher:
     ) -> Results:
         """The suspects the broker's reply points at, with their final outcome; {} when it names
         no exchange and no size (then only publishing them one by one can tell)."""
-        text = str(error)
-        named = _NAMED_EXCHANGE.search(text)
-        size = outcomes.SIZE_LIMIT.search(text)
+        named = exchanges.named(error)
+        size = outcomes.SIZE_LIMIT.search(str(error))
         if size is not None:
             self._max_message_size = int(size[1])
             blamed = [i for i in suspects if len(messages[i].body) > self._max_message_size]
         elif named is not None and isinstance(
             error, aiormq.exceptions.ChannelNotFoundEntity | aiormq.exceptions.ChannelAccessRefused
         ):
-            blamed = [i for i in suspects if messages[i].exchange == named[1]]
+            blamed = [i for i in suspects if messages[i].exchange == named]
         else:
             blamed = []
         return {i: outcomes.refusal(error) for i in blamed}
-
-    async def _missing_exchanges(self, names: set[str], abort: asyncio.Event) -> set[str]:
-        """Which of `names` do not exist, by passive declare (the default exchange always does).
-        An exchange that cannot be checked in time (or before `abort`) counts as present: the
-        publish will tell."""
-        now = time.monotonic()
-        missing: set[str] = set()
-
-        async def check() -> None:
-            for name in sorted(n for n in names if n and self._exchanges_seen.get(n, 0) < now):
-                if await self._exchange_exists(name):
-                    self._exchanges_seen[name] = now + self._exchange_ttl
-                else:
-                    missing.add(name)
-
-        checking = asyncio.ensure_future(check())
-        await outcomes.wait_all([checking], self._confirm_timeout, abort)
-        if checking.cancelled():
-            log.warning(
-                "exchange check unfinished after %gs or at shutdown; publishing unchecked",
-                self._confirm_timeout,
-            )
-            self._probe = None  # its RPC was abandoned mid-flight; open a fresh one next time
-        return missing
-
-    async def _exchange_exists(self, name: str) -> bool:
-        try:
-            probe = await self._probe_channel()
-            await probe.get_exchange(name, ensure=True)
-        except aiormq.exceptions.ChannelNotFoundEntity:
-            return False
-        except (*outcomes.BROKER_ERRORS, RuntimeError) as exc:
-            log.debug("could not check exchange %r: %s", name, outcomes.describe(exc))
-        return True
-
-    async def _probe_channel(self) -> aio_pika.abc.AbstractChannel:
-        if self._probe is None or self._probe.is_closed:
-            if self._connection is None:
-                raise aiormq.exceptions.ChannelInvalidStateError("not connected")
-            self._probe = await self._connection.channel(publisher_confirms=False)
-        return self._probe
-
-    async def _write_batch(
-        self,
-        channel: aiormq.abc.AbstractChannel,
-        messages: Sequence[model.OutboxMessage],
-        todo: Mapping[int, Encoded],
-    ) -> list[asyncio.Future[Any]]:
-        """Hand `todo`'s frames to the channel's writer in one payload; one confirm future each."""
-        number = channel.number
-        batch = []
-        for i, encoded in todo.items():
-            message = messages[i]
-            frames = b"".join(
-                (
-                    wire.method(number, message.exchange, message.routing_key, mandatory=True),
-                    wire.on_channel(encoded.header, number),
-                    wire.body(number, message.body, self._frame_max),
-                )
-            )
-            batch.append((str(message.message_id), frames))
-        return await wire.publish(channel, batch)
 
     def _encode(self, message: model.OutboxMessage) -> Encoded:
         return encoding.encode(message, login=self._login, frame_max=self._frame_max)
 
 
-async def _send(
-    channel: aiormq.abc.AbstractChannel, message: model.OutboxMessage, encoded: Encoded
-) -> Any:
-    """One publish through aiormq's own path (a message alone, or an aiormq `wire` cannot use)."""
-    return await channel.basic_publish(
-        message.body,
-        exchange=message.exchange,
-        routing_key=message.routing_key,
-        properties=_Prebuilt(str(message.message_id), encoded.properties),
-        mandatory=True,
-    )
-
-
 def _always() -> bool:
     return True
-
-
-def _frame_max(connection: aio_pika.abc.AbstractConnection) -> int:
-    tune = getattr(_aiormq_connection(connection), "connection_tune", None)
-    frame_max = getattr(tune, "frame_max", 0)
-    return frame_max if isinstance(frame_max, int) and frame_max > 0 else 131072
-
-
-def _unblocked_event(connection: aio_pika.abc.AbstractConnection) -> asyncio.Event | None:
-    """aiormq tracks connection.blocked/unblocked in a private event and offers no public view of
-    it; we read it (None if a future aiormq moves it, and the relay says so at connect)."""
-    event = getattr(_aiormq_connection(connection), "_Connection__connection_unblocked", None)
-    return event if isinstance(event, asyncio.Event) else None
-
-
-def _aiormq_connection(connection: aio_pika.abc.AbstractConnection) -> Any:
-    return getattr(getattr(connection, "transport", None), "connection", None)

@@ -13,7 +13,7 @@ import pamqp.encode
 import pytest
 from pamqp import commands, frame, header
 
-from relay.amqp import encoding, publisher
+from relay.amqp import encoding, publisher, sending
 from relay.core import model
 
 CREATED = datetime(2026, 11, 26, 12, 30, 5, 999_000, tzinfo=UTC)
@@ -190,6 +190,6 @@ def test_aiormqs_own_publish_path_sends_the_same_bytes() -> None:
     """The fallback (a message alone, an unfamiliar aiormq) marshals what encode wrote."""
     message = row({"f": 0.1, "s": "x"}, body=b"abc")
     encoded = encode(message)
-    prebuilt = publisher._Prebuilt(str(message.message_id), encoded.properties)
+    prebuilt = sending._Prebuilt(str(message.message_id), encoded.properties)
     assert frame.marshal(header.ContentHeader(0, 3, prebuilt), 0) == encoded.header
     assert prebuilt.message_id == str(MESSAGE_ID)
