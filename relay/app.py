@@ -5,12 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import errno
 import logging
-import signal
 import ssl
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import timedelta
 from typing import TypeVar
 from urllib.parse import urlsplit
@@ -18,10 +16,12 @@ from urllib.parse import urlsplit
 import tenacity
 
 from relay import __version__
-from relay.amqp.publisher import AmqpPublisher, tls_context
+from relay.amqp.connection import tls_context
+from relay.amqp.publisher import AmqpPublisher
 from relay.core import chores, config, errors, eventloop, loop, model, retry, tracing
-from relay.ops import metrics
+from relay.ops import lifecycle, metrics, upkeep
 from relay.ops.probes import Probes
+from relay.ops.probes import listen as probes_listen
 from relay.ops.retention import Pruner
 from relay.ops.watch import READINESS_INTERVAL, Watcher
 from relay.postgres import migrate
@@ -179,40 +179,6 @@ async def components(
         await store.close()
 
 
-class _Process:
-    """What the signal handlers and the probes look at while a relay process runs."""
-
-    def __init__(self) -> None:
-        self.work: asyncio.Task[None] | None = None
-        self.watcher: Watcher | None = None
-        self.chores: list[chores.Chore] = []
-        self.step = "starting"  # what start-up is doing, for /readyz until the watcher answers
-
-    def starting(self, step: str) -> None:
-        self.step = f"starting: {step}"
-
-    def cancel(self) -> None:
-        if self.work is not None:
-            self.work.cancel()
-
-    def live(self) -> tuple[bool, str]:
-        """Alive unless the loop or a chore is stuck (a hung call a restart would end). A chore
-        that fails is not: it logs, is counted, and runs again; restarting would not help."""
-        if self.watcher is None:
-            return True, "starting"
-        for chore in self.chores:
-            stuck = chore.stuck()
-            if stuck is not None:
-                return False, f"the {chore.name} chore has been stuck in one run for {stuck:.0f}s"
-        verdict = self.watcher.liveness()
-        return verdict.ok, verdict.detail
-
-    def ready(self) -> tuple[bool, str]:
-        if self.watcher is None:
-            return False, self.step
-        return self.watcher.readiness.ok, self.watcher.readiness.detail
-
-
 async def run(
     settings: config.Settings, *, until_empty: bool = False, stop: asyncio.Event | None = None
 ) -> model.CycleReport | None:
@@ -225,15 +191,15 @@ async def run(
     run out, and are published again by whichever relay claims them next. Signals count from the
     start: one that arrives while the relay is still connecting ends start-up at once."""
     stop = stop or asyncio.Event()
-    process = _Process()
+    process = lifecycle.Process()
     counters = metrics.Metrics()
     counters.info.info(
         {"version": __version__, "relay_name": settings.relay_name, "schema": settings.db_schema}
     )
     probes = Probes(counters.registry, process.live, process.ready)
-    _listen(probes, settings)
+    probes_listen(probes, settings.metrics_host, settings.metrics_port)
     try:
-        with _signals_set(stop, process.cancel):
+        with lifecycle.signals_set(stop, process.cancel):
             async with components(settings, stop, counters, process.starting) as parts:
                 process.watcher = _watcher(settings, parts)
                 process.chores = [*_chores(settings, parts, process.watcher), *parts.chores]
@@ -254,7 +220,7 @@ async def run(
                     if until_empty:
                         return await _drain(parts.relay)
                     process.work = asyncio.create_task(parts.relay.run(stop), name="outbox-relay")
-                    await _until_stopped(process.work, stop, settings.shutdown_timeout)
+                    await lifecycle.until_stopped(process.work, stop, settings.shutdown_timeout)
                 finally:
                     for task in supervised:
                         task.cancel()
@@ -264,43 +230,6 @@ async def run(
     finally:
         probes.stop()
     return None
-
-
-#: A metrics port in use (another replica on this host) moves to one of the next ones.
-PORT_TRIES = 10
-
-
-def _listen(probes: Probes, settings: config.Settings) -> None:
-    """Serve /metrics, /livez and /readyz. A port in use (a second replica on the same host with
-    the same settings) never stops a relay from relaying: it takes the next free one of
-    PORT_TRIES, or, if all are taken, runs without them, and says so in one line. Any other
-    failure to listen is a setting to fix (ConfigError)."""
-    host, port = settings.metrics_host, settings.metrics_port
-    tries = [port] if port == 0 else [p for p in range(port, port + PORT_TRIES) if p <= 65535]
-    for candidate in tries:
-        try:
-            bound = probes.start(host, candidate)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                continue
-            raise errors.ConfigError(
-                f"cannot serve metrics on {host}:{candidate}: {exc.strerror or exc}; "
-                "set OUTBOX_METRICS_HOST or OUTBOX_METRICS_PORT"
-            ) from None
-        where = f"metrics and probes on http://{host}:{bound}/metrics (/livez, /readyz)"
-        if candidate == tries[0]:
-            log.info("%s", where)
-        else:
-            log.warning(
-                "metrics port %d is in use (another replica on this host?): %s", port, where
-            )
-        return
-    log.error(
-        "metrics ports %d to %d are all in use: relaying without /metrics, /livez and /readyz; "
-        "give each replica its own OUTBOX_METRICS_PORT",
-        tries[0],
-        tries[-1],
-    )
 
 
 def _chores(settings: config.Settings, parts: Components, watcher: Watcher) -> list[chores.Chore]:
@@ -325,46 +254,15 @@ def _chores(settings: config.Settings, parts: Components, watcher: Watcher) -> l
     if settings.key_retention > 0:
 
         async def forget() -> None:
-            await _forget_keys(parts.store, settings.key_retention, parts.metrics)
+            await upkeep.forget_keys(parts.store, settings.key_retention, parts.metrics)
 
-        found.append(chores.Chore("keys", forget, KEY_CHECK_INTERVAL, on_error=failed))
+        found.append(chores.Chore("keys", forget, upkeep.KEY_CHECK_INTERVAL, on_error=failed))
 
     async def reclaim() -> None:
-        await _reclaim(parts.store)
+        await upkeep.reclaim(parts.store)
 
-    found.append(chores.Chore("reclaim", reclaim, RECLAIM_INTERVAL, on_error=failed))
+    found.append(chores.Chore("reclaim", reclaim, upkeep.RECLAIM_INTERVAL, on_error=failed))
     return found
-
-
-#: How often a relay looks for segments of the ready lane to TRUNCATE (docs/decisions/0004).
-RECLAIM_INTERVAL = 5.0
-
-
-async def _reclaim(store: PgStore) -> None:
-    """TRUNCATE what the ready lane is done with; an outage only postpones it to the next."""
-    try:
-        reclaimed = await store.reclaim()
-    except errors.TransientError as exc:
-        log.debug("could not reclaim ready-lane segments: %s", exc)
-        return
-    if reclaimed:
-        log.debug("reclaimed %d ready-lane segments", reclaimed)
-
-
-#: How often a relay looks for ordering keys to forget (OUTBOX_KEY_RETENTION).
-KEY_CHECK_INTERVAL = 3600.0
-
-
-async def _forget_keys(store: PgStore, retention: float, counters: metrics.Metrics) -> None:
-    """One pass over the keys; an outage only postpones it to the next."""
-    try:
-        forgotten = await store.forget_idle_keys(retention)
-    except errors.TransientError as exc:
-        log.warning("could not look for idle ordering keys: %s", exc)
-        return
-    counters.keys_forgotten.inc(forgotten)
-    if forgotten:
-        log.info("forgot %d ordering keys unused for %s", forgotten, timedelta(seconds=retention))
 
 
 def _watcher(settings: config.Settings, parts: Components) -> Watcher:
@@ -401,60 +299,6 @@ async def _drain(relay: loop.Relay) -> model.CycleReport:
         report.settled.dead,
     )
     return report
-
-
-#: After the grace for confirms, how long the final settle may take (it retries through outages).
-SETTLE_MARGIN = 10.0
-
-
-async def _until_stopped(work: asyncio.Task[None], stop: asyncio.Event, grace: float) -> None:
-    stopping = asyncio.create_task(stop.wait())
-    try:
-        await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopping.cancel()
-    if not work.done():
-        log.info("stopping: no new claims; finishing the batch in flight (up to %gs)", grace)
-        try:
-            await asyncio.wait_for(work, grace + SETTLE_MARGIN)
-        except TimeoutError:
-            raise errors.RelayError(
-                f"the batch in flight could not be settled within {grace + SETTLE_MARGIN:g}s; "
-                "its rows return to the queue when their lease ends"
-            ) from None
-        except asyncio.CancelledError:
-            if work.cancelled():
-                raise errors.RelayError(
-                    "cancelled by a second signal; unsettled rows return when their lease ends"
-                ) from None
-            raise
-    work.result()  # a crash of the loop propagates from here
-    log.info("stopped cleanly")
-
-
-@contextlib.contextmanager
-def _signals_set(stop: asyncio.Event, second: Callable[[], object]) -> Iterator[None]:
-    """The first SIGINT/SIGTERM sets `stop`; a second one calls `second` (to cancel outright)."""
-    loop_ = asyncio.get_running_loop()
-
-    def on_signal(signum: int) -> None:
-        if stop.is_set():
-            log.warning("second %s: cancelling now", signal.Signals(signum).name)
-            second()
-        else:
-            log.info("%s received", signal.Signals(signum).name)
-            stop.set()
-
-    installed = []
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop_.add_signal_handler(signum, on_signal, signum)
-            installed.append(signum)
-    try:
-        yield
-    finally:
-        for signum in installed:
-            loop_.remove_signal_handler(signum)
 
 
 async def stats(settings: config.Settings) -> model.Stats:

@@ -25,6 +25,7 @@ from relay.console.options import (
     Group,
     fail_cleanly,
     flag,
+    interval_option,
     settings_options,
 )
 from relay.core import config, errors, eventloop, logs
@@ -168,13 +169,7 @@ def _when(unix: float | None) -> str:
 
 @main.command()
 @settings_options("database_url", "db_schema")
-@click.option(
-    "--interval",
-    type=click.FloatRange(min=0.1),
-    default=1.0,
-    show_default=True,
-    help="Seconds between refreshes.",
-)
+@interval_option(0.1, "Seconds between refreshes.")
 @click.option("--once", is_flag=True, help="Print one frame and exit.")
 @click.option(
     "--svg",
@@ -198,13 +193,7 @@ def top(interval: float, once: bool, svg: str | None, **flags: Any) -> None:
     default=None,
     help="Stop after this many committed messages arrived (default: run until Ctrl-C).",
 )
-@click.option(
-    "--interval",
-    type=click.FloatRange(min=0),
-    default=1.0,
-    show_default=True,
-    help="Seconds between sample transactions.",
-)
+@interval_option(0, "Seconds between sample transactions.")
 @fail_cleanly
 def demo_command(count: int | None, interval: float, **flags: Any) -> None:
     """Migrate, then enqueue sample orders and print them as a consumer receives them."""

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import click
@@ -204,27 +205,21 @@ def dead_replay(
     x-outbox-replayed-at and x-outbox-replayed-from headers. Batches are transactions: if
     interrupted, run the same command again; no message moves twice. A MESSAGE_ID may be the start
     of one, as `dead list` shows it."""
-    filtering = _split(flags)
-    with operator(flags) as ops:
-        where = _where(_ids(ops, message_ids), **filtering)
-        _needs_all(where, everything, dry_run, "replay")
-        count = ops.dead_count(where)
-        if dry_run or not count:
-            _dry_run(ops, where, count, "replay", _target(to_exchange, to_routing_key))
+    target = _target(to_exchange, to_routing_key)
+    with _chosen(flags, message_ids, "replay", everything, dry_run, target) as chosen:
+        if chosen is None:
             return
-        with output.progress("replaying", count) as advance:
-            moved = ops.dead_replay(
-                where,
+        with output.progress("replaying", chosen.count) as advance:
+            moved = chosen.ops.dead_replay(
+                chosen.where,
                 to_exchange=to_exchange,
                 to_routing_key=to_routing_key,
                 batch=batch,
                 progress=advance,
             )
-    left = (
-        f"; {count - moved:,} left in dead (already waiting in the outbox)" if moved < count else ""
-    )
-    replayed = render.count(moved, "dead letter")
-    click.echo(f"replayed {replayed}{_target(to_exchange, to_routing_key)}{left}")
+    left = chosen.count - moved
+    left_in_dead = f"; {left:,} left in dead (already waiting in the outbox)" if left > 0 else ""
+    click.echo(f"replayed {render.count(moved, 'dead letter')}{target}{left_in_dead}")
 
 
 @dead.command(name="purge")
@@ -246,20 +241,49 @@ def dead_purge(
 ) -> None:
     """Delete dead letters (by MESSAGE_IDS, or by filter) for good. A MESSAGE_ID may be the start
     of one, as `dead list` shows it."""
+    with _chosen(flags, message_ids, "purge", everything, dry_run) as chosen:
+        if chosen is None:
+            return
+        question = f"delete {render.count(chosen.count, 'dead letter')} for good?"
+        if not yes and not _confirmed(question):
+            click.echo("nothing purged")
+            return
+        with output.progress("purging", chosen.count) as advance:
+            purged = chosen.ops.dead_purge(chosen.where, batch=batch, progress=advance)
+    click.echo(f"purged {render.count(purged, 'dead letter')}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Chosen:
+    """The dead letters a replay or purge acts on, in the operator session that counted them."""
+
+    ops: admin.Admin
+    where: DeadFilter
+    count: int
+
+
+@contextlib.contextmanager
+def _chosen(
+    flags: dict[str, Any],
+    message_ids: Sequence[str],
+    verb: str,
+    everything: bool,
+    dry_run: bool,
+    target: str = "",
+) -> Iterator[_Chosen | None]:
+    """An operator session on the dead letters a replay or purge names (by message ids and the
+    filters in `flags`), or None when there is nothing to do: none match, or a dry run, which lists
+    what it would `verb`."""
     filtering = _split(flags)
     with operator(flags) as ops:
         where = _where(_ids(ops, message_ids), **filtering)
-        _needs_all(where, everything, dry_run, "purge")
+        _needs_all(where, everything, dry_run, verb)
         count = ops.dead_count(where)
         if dry_run or not count:
-            _dry_run(ops, where, count, "purge", "")
-            return
-        if not yes and not _confirmed(f"delete {render.count(count, 'dead letter')} for good?"):
-            click.echo("nothing purged")
-            return
-        with output.progress("purging", count) as advance:
-            purged = ops.dead_purge(where, batch=batch, progress=advance)
-    click.echo(f"purged {render.count(purged, 'dead letter')}")
+            _dry_run(ops, where, count, verb, target)
+            yield None
+        else:
+            yield _Chosen(ops, where, count)
 
 
 def _confirmed(question: str) -> bool:

@@ -1,5 +1,6 @@
-"""What every `outbox-relay` command shares: settings as flags, a `--batch` option, one-line
-errors with their exit codes, and a command group whose usage errors are one line too."""
+"""What every `outbox-relay` command shares: settings as flags, `--batch` and `--interval`
+options, one-line errors with their exit codes, and a command group whose usage errors are one
+line too."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 from click.exceptions import NoArgsIsHelpError
 
-from relay.core import config, errors, values
+from relay.core import config, describe, errors, values
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -31,7 +32,7 @@ def settings_options(*fields: str) -> Callable[[F], F]:
 
     def decorate(command: F) -> F:
         for field in reversed(fields):
-            described = config.describe(field)
+            described = describe.describe(field)
             command = click.option(
                 flag(field),
                 field,
@@ -52,6 +53,17 @@ def batch_option(default: int) -> Callable[[F], F]:
         default=default,
         show_default=True,
         help="Rows per transaction.",
+    )
+
+
+def interval_option(least: float, help: str) -> Callable[[F], F]:
+    """`--interval SECONDS`: the pause between a command's rounds (default 1, at least `least`)."""
+    return click.option(
+        "--interval",
+        type=click.FloatRange(min=least),
+        default=1.0,
+        show_default=True,
+        help=help,
     )
 
 
@@ -82,7 +94,7 @@ class Group(click.Group):
 
     def main(self, *args: Any, **kwargs: Any) -> Any:
         kwargs["standalone_mode"] = False
-        for name, closest in config.unknown_variables(os.environ):
+        for name, closest in describe.unknown_variables(os.environ):
             hint = f" (did you mean {closest}?)" if closest else ""
             click.echo(f"outbox-relay: warning: {name} is not a setting: ignored{hint}", err=True)
         try:

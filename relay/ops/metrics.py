@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from relay.core import model
@@ -78,17 +80,13 @@ class Metrics:
         self.keys_blocked = Counter(
             "outbox_keys_blocked", "Ordering keys blocked by a dead-lettered message.", registry=r
         )
-        self.publish_seconds = Histogram(
-            "outbox_publish_confirm_seconds",
-            "From a message's publish to its broker confirm.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        latency = functools.partial(Histogram, buckets=_LATENCY_BUCKETS, registry=r)  # in seconds
+        self.publish_seconds = latency(
+            "outbox_publish_confirm_seconds", "From a message's publish to its broker confirm."
         )
-        self.commit_seconds = Histogram(
+        self.commit_seconds = latency(
             "outbox_commit_confirm_seconds",
             "From enqueue (the database's clock) to the broker's confirm (the relay's clock).",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
         self.batch_size = Histogram(
             "outbox_batch_size",
@@ -96,11 +94,9 @@ class Metrics:
             buckets=_BATCH_BUCKETS,
             registry=r,
         )
-        self.claim_seconds = Histogram(
+        self.claim_seconds = latency(
             "outbox_claim_seconds",
             "Latency of the claim call (for a claim made with a settle, of the whole call).",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
         # The background chores.
         self.chore_errors = Counter(

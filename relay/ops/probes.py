@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import socketserver
 import threading
@@ -9,7 +10,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, make_wsgi_app
+
+from relay.core import errors
 
 log = logging.getLogger("relay.probes")  # the name log lines carry: as before the folders
 
@@ -31,7 +34,9 @@ class Probes:
     event loop never makes a scrape or a probe time out."""
 
     def __init__(self, registry: CollectorRegistry, live: Verdict, ready: Verdict) -> None:
-        self._registry = registry
+        # prometheus_client's own exposition: gzip when asked, OpenMetrics when the scraper's
+        # Accept header prefers it, and `name[]=` filters.
+        self._metrics = make_wsgi_app(registry)
         self._live = live
         self._ready = ready
         self._server: WSGIServer | None = None
@@ -55,8 +60,8 @@ class Probes:
     def _app(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
         if path == "/metrics":
-            start_response("200 OK", [("Content-Type", CONTENT_TYPE_LATEST)])
-            return [generate_latest(self._registry)]
+            result: Iterable[bytes] = self._metrics(environ, start_response)
+            return result
         if path in ("/livez", "/readyz"):
             ok, detail = (self._live if path == "/livez" else self._ready)()
             start_response(
@@ -66,3 +71,39 @@ class Probes:
             return [(detail + "\n").encode()]
         start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
         return [b"try /metrics, /livez or /readyz\n"]
+
+
+#: A metrics port in use (another replica on this host) moves to one of the next ones.
+PORT_TRIES = 10
+
+
+def listen(probes: Probes, host: str, port: int) -> None:
+    """Serve /metrics, /livez and /readyz. A port in use (a second replica on the same host with
+    the same settings) never stops a relay from relaying: it takes the next free one of
+    PORT_TRIES, or, if all are taken, runs without them, and says so in one line. Any other
+    failure to listen is a setting to fix (ConfigError)."""
+    tries = [port] if port == 0 else [p for p in range(port, port + PORT_TRIES) if p <= 65535]
+    for candidate in tries:
+        try:
+            bound = probes.start(host, candidate)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                continue
+            raise errors.ConfigError(
+                f"cannot serve metrics on {host}:{candidate}: {exc.strerror or exc}; "
+                "set OUTBOX_METRICS_HOST or OUTBOX_METRICS_PORT"
+            ) from None
+        where = f"metrics and probes on http://{host}:{bound}/metrics (/livez, /readyz)"
+        if candidate == tries[0]:
+            log.info("%s", where)
+        else:
+            log.warning(
+                "metrics port %d is in use (another replica on this host?): %s", port, where
+            )
+        return
+    log.error(
+        "metrics ports %d to %d are all in use: relaying without /metrics, /livez and /readyz; "
+        "give each replica its own OUTBOX_METRICS_PORT",
+        tries[0],
+        tries[-1],
+    )

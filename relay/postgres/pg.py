@@ -82,3 +82,10 @@ class Session:
         self._conn = conn
         self._schema = schema
         self._q = sql.load(schema)
+
+
+async def one_row(cur: psycopg.AsyncCursor[Any]) -> Any:
+    """The one row of an aggregate query (which always returns one)."""
+    row = await cur.fetchone()
+    assert row is not None
+    return row

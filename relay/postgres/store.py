@@ -18,6 +18,7 @@ from psycopg.rows import namedtuple_row
 from relay.core import errors, model, values
 from relay.postgres import pg, sql
 from relay.postgres.pg import translate_errors
+from relay.postgres.readings import Readings
 from relay.postgres.rows import settle_params, to_message
 from relay.postgres.window import Window
 
@@ -43,7 +44,7 @@ FULL_ORPHAN_PASS_EVERY = 300.0
 LATE_COMMIT = 2.0
 
 
-class PgStore:
+class PgStore(Readings):
     """ports.Store on PostgreSQL. Every method raises errors.DatabaseUnavailable on an outage."""
 
     def __init__(
@@ -191,7 +192,7 @@ class PgStore:
             params = {"after": self._orphans_after, "limit": CHUNK}
             async with self._connection() as conn:
                 cur = await conn.execute(self._q.release_orphans, params)
-                looked, n, last_until, checked_at = await _one(cur)
+                looked, n, last_until, checked_at = await pg.one_row(cur)
             moved += int(n)
             first_checked = first_checked or checked_at
             if looked < CHUNK:
@@ -214,7 +215,7 @@ class PgStore:
         for seg in range(SEGMENTS):
             async with self._connection() as conn:
                 cur = await conn.execute(self._q.reclaim_segment, {"seg": seg})
-                (done,) = await _one(cur)
+                (done,) = await pg.one_row(cur)
             reclaimed += bool(done)
         return reclaimed
 
@@ -242,7 +243,7 @@ class PgStore:
         durable = self._synchronous_commit or bool(settlement.resent)
         async with self._connection() as conn:
             cur = await conn.execute(self._q.settle, settle_params(claim_id, settlement, durable))
-            archived, dead, retried, released, blocked = await _one(cur)
+            archived, dead, retried, released, blocked = await pg.one_row(cur)
         fenced = settlement.size - archived - dead - retried
         return model.SettleCounts(archived, dead, retried, fenced, released, blocked)
 
@@ -282,7 +283,7 @@ class PgStore:
         while True:
             async with self._connection() as conn:
                 cur = await conn.execute(self._q.release_stranded, {"limit": CHUNK})
-                looked, n = await _one(cur)
+                looked, n = await pg.one_row(cur)
             released += int(n)
             if looked < CHUNK:
                 return released
@@ -296,7 +297,7 @@ class PgStore:
                 cur = await conn.execute(
                     self._q.forget_idle_keys, {"idle": idle_for, "after": after, "limit": CHUNK}
                 )
-                n, last = await _one(cur)
+                n, last = await pg.one_row(cur)
             forgotten += int(n)
             if last is None:
                 return forgotten
@@ -305,81 +306,8 @@ class PgStore:
     async def blocked_key_count(self) -> int:
         async with self._connection() as conn:
             cur = await conn.execute(self._q.blocked_key_count)
-            (count,) = await _one(cur)
+            (count,) = await pg.one_row(cur)
         return int(count)
-
-    async def observe(self) -> model.Observation:
-        """The gauges' snapshot: backlog by state and the database's health, in one query."""
-        async with self._connection() as conn:
-            cur = await conn.execute(self._q.observe, {"messages": f'"{self._schema}".messages'})
-            row = await _one(cur)
-        (
-            due,
-            scheduled,
-            gated,
-            in_flight,
-            oldest,
-            dead,
-            blocked,
-            dead_tuples,
-            autovacuum,
-            autovacuum_on,
-            xmin_seconds,
-            xmin_xids,
-            xmin_pid,
-            xmin_state,
-        ) = row
-        return model.Observation(
-            due=due,
-            scheduled=scheduled,
-            gated=gated,
-            in_flight=in_flight,
-            oldest_due_seconds=_float(oldest),
-            dead=dead,
-            blocked_keys=blocked,
-            dead_tuples=int(dead_tuples or 0),
-            last_autovacuum=_float(autovacuum),
-            autovacuum_on=autovacuum_on is not False,
-            xmin_seconds=_float(xmin_seconds),
-            xmin_xids=xmin_xids,
-            xmin_pid=xmin_pid,
-            xmin_state=xmin_state,
-        )
-
-    async def stats(self) -> model.Stats:
-        async with self._connection() as conn:
-            cur = await conn.execute(self._q.message_stats)
-            pending, due, scheduled, gated, in_flight, oldest = await _one(cur)
-            cur = await conn.execute(self._q.archive_count)
-            (archived,) = await _one(cur)
-            cur = await conn.execute(self._q.blocked_key_count)
-            (blocked_keys,) = await _one(cur)
-            cur = await conn.execute(self._q.dead_by_reason)
-            by_reason = {str(reason): int(n) for reason, n in await cur.fetchall()}
-        return model.Stats(
-            pending=pending,
-            due=due,
-            scheduled=scheduled,
-            gated=gated,
-            in_flight=in_flight,
-            oldest_pending_age_seconds=None if oldest is None else float(oldest),
-            archived=archived,
-            dead=sum(by_reason.values()),
-            dead_by_reason=by_reason,
-            blocked_keys=blocked_keys,
-            observation=await self.observe(),
-        )
-
-    async def table_inserts(self) -> dict[str, int]:
-        """Rows ever inserted into messages, archive and dead (PostgreSQL's statistics)."""
-        async with self._connection() as conn:
-            cur = await conn.execute(self._q.table_inserts, {"schema": self._schema})
-            return {str(name): int(n) for name, n in await cur.fetchall()}
-
-    async def dead_by_reason(self) -> dict[str, int]:
-        async with self._connection() as conn:
-            cur = await conn.execute(self._q.dead_by_reason)
-            return {str(reason): int(n) for reason, n in await cur.fetchall()}
 
 
 def _session(query: LiteralString) -> Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]]:
@@ -389,13 +317,3 @@ def _session(query: LiteralString) -> Callable[[psycopg.AsyncConnection[Any]], A
         await conn.execute(query)
 
     return configure
-
-
-def _float(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
-async def _one(cur: psycopg.AsyncCursor[Any]) -> Any:
-    row = await cur.fetchone()
-    assert row is not None  # aggregate queries always return one row
-    return row

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from relay import app
 from relay.core import chores
+from relay.ops import lifecycle
 
 
 class Clock:
@@ -78,7 +78,7 @@ async def test_a_hung_run_shows_as_stuck_and_fails_liveness() -> None:
         await release.wait()
 
     chore = chores.Chore("watcher", hangs, 1.0, stall_after=60.0, clock=clock)
-    process = app._Process()
+    process = lifecycle.Process()
     process.chores = [chore]
     process.watcher = _AliveWatcher()  # type: ignore[assignment]
     running = asyncio.create_task(chore.run_once())

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from relay.core import config, errors, values
+from relay.core import config, describe, errors, values
 
 
 def test_defaults_match_the_documented_contract() -> None:
@@ -119,7 +119,7 @@ def test_unknown_outbox_variables_are_named_with_the_closest_setting() -> None:
         "OUTBOX_WHATEVER": "1",
         "PATH": "/bin",
     }
-    assert config.unknown_variables(environ) == [
+    assert describe.unknown_variables(environ) == [
         ("OUTBOX_DATABSE_URL", "OUTBOX_DATABASE_URL"),
         ("OUTBOX_WHATEVER", None),
     ]
@@ -161,21 +161,21 @@ def test_every_setting_is_described_from_its_definition_alone() -> None:
     """Type, default, range and variable come from the field: nothing to keep in step by hand."""
     fields = {**config.Settings.model_fields, **config.PipelineSettings.model_fields}
     for field, info in fields.items():
-        described = config.describe(field)
+        described = describe.describe(field)
         assert described.help.startswith(str(info.description)), field
         assert described.help.endswith(f"env: {config.env_name(field)}]"), field
-    lease = config.describe("lease")
+    lease = describe.describe("lease")
     assert lease.metavar == "SECONDS"
     assert "[default: 10; > 0; or 250ms, 30s, 5m, 2h, 7d; env: OUTBOX_LEASE]" in lease.help
-    batch = config.describe("batch_size")
+    batch = describe.describe("batch_size")
     assert batch.metavar == "INTEGER"
     assert "[default: 500; ≥ 1; ≤ 10000; env: OUTBOX_BATCH_SIZE]" in batch.help
-    assert config.describe("synchronous_commit").metavar == "BOOLEAN"
-    assert "default: false" in config.describe("synchronous_commit").help
-    amqp = config.describe("amqp_url")
+    assert describe.describe("synchronous_commit").metavar == "BOOLEAN"
+    assert "default: false" in describe.describe("synchronous_commit").help
+    amqp = describe.describe("amqp_url")
     assert "guest:***@" in amqp.help
     assert "guest:guest" not in amqp.help
-    assert "default" not in config.describe("relay_name").help.split("[", 1)[1]  # host:pid
+    assert "default" not in describe.describe("relay_name").help.split("[", 1)[1]  # host:pid
 
 
 def test_every_relay_setting_is_a_flag_of_run() -> None:
