@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import functools
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+)
 
 from relay.core import model
 
@@ -39,6 +48,10 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry(auto_describe=True)
+        # The process's own: memory (process_resident_memory_bytes, to set against a container's
+        # limit), CPU seconds, open file descriptors; the Python version; garbage collections.
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            r.register(collector)
         self.info = Info("outbox_relay", "This relay: version, name and schema.", registry=r)
         # What the loop did.
         self.claimed = Counter(

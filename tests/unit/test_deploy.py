@@ -250,7 +250,7 @@ def secret_files() -> dict[str, dict[str, str]]:
     for pod in pods:
         volumes = {v["name"]: v["secret"] for v in pod.get("volumes", []) if "secret" in v}
         for container in [*pod.get("initContainers", []), *pod["containers"]]:
-            assert "valueFrom" not in str(container.get("env")), "a URL in the environment"
+            assert "secretKeyRef" not in str(container.get("env")), "a URL in the environment"
             assert "secretRef" not in str(container.get("envFrom")), "a URL in the environment"
             mounts = {
                 m["mountPath"]: secrets[volumes[m["name"]]["secretName"]]
