@@ -55,7 +55,7 @@ class Components:
     settings: config.Settings
     store: PgStore
     publisher: AmqpPublisher
-    listener: Listener
+    listener: Listener | None  # None: polling only (a transaction pooler, no OUTBOX_LISTEN_URL)
     relay: loop.Relay
     metrics: metrics.Metrics
     #: The supervised background chores running beside the loop (liveness watches them).
@@ -136,6 +136,7 @@ async def components(
             settings.relay_name,
             synchronous_commit=settings.synchronous_commit,
             batch_max_bytes=settings.batch_max_bytes,
+            pooled=settings.transaction_pooler,
         ),
         settings.startup_timeout,
         stop,
@@ -152,7 +153,10 @@ async def components(
         await startup("RabbitMQ", publisher.connect, settings.startup_timeout, stop, say)
         say("starting the relay loop")
         wake, recheck = asyncio.Event(), asyncio.Event()
-        listener = Listener(database_url, settings.db_schema, wake, recheck)
+        listen_url = _listen_url(settings)
+        listener = (
+            None if listen_url is None else Listener(listen_url, settings.db_schema, wake, recheck)
+        )
         counters = counters or metrics.Metrics()
         relay = loop.Relay(
             store,
@@ -164,12 +168,17 @@ async def components(
             on_chore_error=counters.chore_failed,
         )
         # The listener reconnects by itself; a chore only so that a bug cannot end it silently.
-        listening = chores.Chore("listener", listener.run, 1.0, on_error=counters.chore_failed)
-        background = [asyncio.create_task(listening.run(), name="outbox-listener")]
+        supervised = [relay.heartbeat]
+        if listener is not None:
+            listening = chores.Chore("listener", listener.run, 1.0, on_error=counters.chore_failed)
+            supervised.insert(0, listening)
+        background = [
+            asyncio.create_task(chore.run(), name=f"outbox-{chore.name}")
+            for chore in supervised
+            if chore is not relay.heartbeat  # the relay's run beats it
+        ]
         try:
-            yield Components(
-                settings, store, publisher, listener, relay, counters, [listening, relay.heartbeat]
-            )
+            yield Components(settings, store, publisher, listener, relay, counters, supervised)
         finally:
             for task in background:
                 task.cancel()
@@ -284,7 +293,9 @@ def _pruner(settings: config.Settings, counters: metrics.Metrics) -> Pruner:
     retention = timedelta(seconds=settings.archive_retention)
 
     def prune(stop: threading.Event) -> int | None:
-        with Admin.connect(database_url, settings.db_schema) as ops:
+        with Admin.connect(
+            database_url, settings.db_schema, pooled=settings.transaction_pooler
+        ) as ops:
             return ops.archive_prune(retention, stop=stop)
 
     return Pruner(prune, settings.archive_prune_interval, counters)
@@ -308,11 +319,28 @@ async def stats(settings: config.Settings) -> model.Stats:
         settings.db_schema,
         settings.relay_name,
         max_size=1,
+        pooled=settings.transaction_pooler,
     )
     try:
         return await store.stats()
     finally:
         await store.close()
+
+
+def _listen_url(settings: config.Settings) -> str | None:
+    """Where to LISTEN: OUTBOX_LISTEN_URL, else the database's URL unless a transaction pooler
+    is in the way (NOTIFY cannot come through one: None, and the relay polls)."""
+    if settings.listen_url is not None:
+        return settings.listen_url.get_secret_value()
+    if settings.transaction_pooler:
+        log.warning(
+            "OUTBOX_TRANSACTION_POOLER is set without OUTBOX_LISTEN_URL: NOTIFY cannot reach the "
+            "relay through the pooler, so it polls every %gs (a message waits half of that on "
+            "average); set OUTBOX_LISTEN_URL to a direct URL to wake at each commit",
+            settings.poll_interval,
+        )
+        return None
+    return settings.database_url.get_secret_value()
 
 
 def amqp_tls(settings: config.Settings) -> ssl.SSLContext | None:

@@ -19,7 +19,7 @@ from relay.core.values import check_identifier, parse_duration
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 
 #: Settings that may also come from a file named by OUTBOX_<NAME>_FILE.
-SECRETS = ("database_url", "amqp_url")
+SECRETS = ("database_url", "amqp_url", "listen_url")
 
 
 def _default_relay_name() -> str:
@@ -41,6 +41,12 @@ class _Database(BaseSettings):
         "outbox",
         validation_alias="OUTBOX_SCHEMA",
         description="PostgreSQL schema holding the outbox tables and functions.",
+    )
+    transaction_pooler: bool = Field(
+        False,
+        description="OUTBOX_DATABASE_URL goes through a transaction-mode pooler (PgBouncer's "
+        "`pool_mode = transaction`): no prepared statements and no session settings (the relay "
+        "checks the role's instead); NOTIFY cannot come through it (see OUTBOX_LISTEN_URL).",
     )
 
     @pydantic.model_validator(mode="before")
@@ -83,6 +89,14 @@ class _Database(BaseSettings):
 
 class Settings(_Database):
     """Every knob of the relay. Field descriptions are the README's settings table."""
+
+    listen_url: SecretStr | None = Field(
+        None,
+        description="A PostgreSQL URL used only to LISTEN for producers' NOTIFY, for a relay "
+        "whose OUTBOX_DATABASE_URL goes through a transaction pooler: a direct one. Unset: "
+        "OUTBOX_DATABASE_URL, or, with OUTBOX_TRANSACTION_POOLER, none (the relay then polls "
+        "every OUTBOX_POLL_INTERVAL).",
+    )
 
     amqp_url: SecretStr = Field(
         SecretStr("amqp://guest:guest@127.0.0.1:5672/"),
@@ -150,7 +164,9 @@ class Settings(_Database):
         default_factory=_default_relay_name,
         min_length=1,
         max_length=200,
-        description="This replica's name, recorded on the rows it claims (default `host:pid`).",
+        description="This replica's name, recorded on the rows it claims and in the "
+        "outbox_relay_info metric (default `host:pid`, new at every restart: give a stable one, "
+        "such as the pod's name, where the platform has one).",
     )
     log_level: str = Field("INFO", description="Logging level: DEBUG, INFO, WARNING or ERROR.")
     log_format: str = Field(
@@ -220,6 +236,11 @@ class Settings(_Database):
     @classmethod
     def _amqp_url_scheme(cls, value: SecretStr) -> SecretStr:
         return _check_scheme(value, ("amqp", "amqps"))
+
+    @field_validator("listen_url")
+    @classmethod
+    def _listen_url_scheme(cls, value: SecretStr | None) -> SecretStr | None:
+        return None if value is None else _check_scheme(value, ("postgresql", "postgres"))
 
     @field_validator("amqp_ca_file", "amqp_cert_file", "amqp_key_file")
     @classmethod

@@ -16,19 +16,23 @@ from relay.postgres.pg import translate_errors
 
 
 class PipelineDatabase(pg.Session):
-    """An autocommit session holding the schema's pipeline lock for as long as it is open."""
+    """An autocommit session, open while the schema's pipeline lock is held (on a connection of
+    its own)."""
 
     @classmethod
     @contextmanager
-    def connect(cls, conninfo: str, schema: str) -> Iterator[PipelineDatabase]:
-        """Open a session and take the pipeline lock; RelayError if another run holds it."""
-        with pg.session(conninfo, schema, "pipeline") as conn:
-            db = cls(conn, schema)
-            if not db._one(db._q.pipeline_lock, {"schema": schema})[0]:
+    def connect(
+        cls, conninfo: str, schema: str, *, pooled: bool = False
+    ) -> Iterator[PipelineDatabase]:
+        """Take the pipeline lock and open a session; RelayError if another run holds the lock.
+        `pooled`: `conninfo` goes through a transaction-mode pooler (PgBouncer)."""
+        with pg.exclusive(conninfo, schema, "pipeline", wait=False, pooled=pooled) as held:
+            if not held:
                 raise errors.RelayError(
                     f'another pipeline run holds schema "{schema}"; try again when it ends'
                 )
-            yield db  # the lock goes with the session
+            with pg.session(conninfo, schema, "pipeline", pooled=pooled) as conn:
+                yield cls(conn, schema, conninfo, pooled=pooled)
 
     def _one(self, query: Any, params: dict[str, Any]) -> tuple[Any, ...]:
         with translate_errors(self._schema):

@@ -116,9 +116,12 @@ class Admin(pg.Session):
 
     @classmethod
     @contextmanager
-    def connect(cls, conninfo: str, schema: str = "outbox") -> Iterator[Admin]:
-        with pg.session(conninfo, schema, "admin") as conn:
-            yield cls(conn, schema)
+    def connect(
+        cls, conninfo: str, schema: str = "outbox", *, pooled: bool = False
+    ) -> Iterator[Admin]:
+        """`pooled`: `conninfo` goes through a transaction-mode pooler (PgBouncer)."""
+        with pg.session(conninfo, schema, "admin", pooled=pooled) as conn:
+            yield cls(conn, schema, conninfo, pooled=pooled)
 
     def _rows(self, query: Any, params: dict[str, Any] | None = None) -> list[Any]:
         with self._errors():
@@ -316,26 +319,33 @@ class Admin(pg.Session):
             raise errors.InvalidArgument("older_than must be positive")
         cutoff = datetime.now(UTC) - older_than
         stop = stop or threading.Event()
-        lock = {"schema": self._schema}
-        (got,) = self._rows(self._q.prune_lock, lock)
-        if not got[0]:
-            return None
+        _batch(batch)
+        with pg.exclusive(
+            self._conninfo, self._schema, "prune", wait=False, pooled=self._pooled
+        ) as held:
+            return self._prune(cutoff, batch, pause, progress, stop) if held else None
+
+    def _prune(
+        self,
+        cutoff: datetime,
+        batch: int,
+        pause: float,
+        progress: Progress | None,
+        stop: threading.Event,
+    ) -> int:
         deleted = 0
-        try:
-            while True:
-                ((gone, younger),) = self._rows(
-                    self._q.archive_prune_batch, {"batch": _batch(batch), "cutoff": cutoff}
-                )
-                deleted += int(gone)
-                if progress is not None and gone:
-                    progress(gone)
-                if younger or not gone:
-                    return deleted
-                # Spread the deletes out: vacuum and the live queue come first.
-                if stop.wait(pause):
-                    return deleted
-        finally:
-            self._rows(self._q.prune_unlock, lock)
+        while True:
+            ((gone, younger),) = self._rows(
+                self._q.archive_prune_batch, {"batch": _batch(batch), "cutoff": cutoff}
+            )
+            deleted += int(gone)
+            if progress is not None and gone:
+                progress(gone)
+            if younger or not gone:
+                return deleted
+            # Spread the deletes out: vacuum and the live queue come first.
+            if stop.wait(pause):
+                return deleted
 
 
 def _batch(size: int) -> int:

@@ -63,24 +63,30 @@ def discover(directory: Traversable | None = None) -> list[Migration]:
     return found
 
 
-def migrate(conninfo: str, schema: str, migrations: list[Migration] | None = None) -> Result:
+def migrate(
+    conninfo: str,
+    schema: str,
+    migrations: list[Migration] | None = None,
+    *,
+    pooled: bool = False,
+) -> Result:
     """Bring `schema` up to date and return what was applied. Safe to run twice, or twice at once:
     the second waits for the first and then finds nothing to do. Each file runs in its own
     transaction, recorded with its checksum; an applied file that changed since is refused.
+    `pooled`: `conninfo` goes through a transaction-mode pooler (no prepared statements).
     Raises DatabaseUnavailable or MigrationError."""
     values.check_identifier(schema)
     todo = discover() if migrations is None else migrations
     q = sql.load(schema)
     try:
-        with psycopg.connect(conninfo, autocommit=True) as conn:
-            conn.execute(q.migration_lock, {"schema": schema})
-            try:
-                result = _apply(conn, q, todo)
-                conn.execute(q.revoke_public_execute)
-                roles.refresh(conn, schema)  # grant new objects to the roles, if set up
-                return result
-            finally:
-                conn.execute(q.migration_unlock, {"schema": schema})
+        with (
+            pg.exclusive(conninfo, schema, "migrate", wait=True, pooled=pooled),
+            psycopg.connect(conninfo, autocommit=True, **pg.options(pooled)) as conn,
+        ):
+            result = _apply(conn, q, todo)
+            conn.execute(q.revoke_public_execute)
+            roles.refresh(conn, schema)  # grant new objects to the roles, if set up
+            return result
     except psycopg.OperationalError as exc:
         raise errors.DatabaseUnavailable(f"PostgreSQL unavailable: {pg.first_line(exc)}") from exc
 

@@ -55,17 +55,48 @@ def translate_errors(schema: str) -> Iterator[None]:
         raise errors.DatabaseUnavailable(f"PostgreSQL unavailable: {line}") from exc
 
 
+def options(pooled: bool) -> dict[str, Any]:
+    """psycopg's connection options for a database URL that goes through a transaction-mode
+    pooler (PgBouncer before 1.21 keeps no prepared statement across transactions) or not."""
+    return {"prepare_threshold": None} if pooled else {}
+
+
 @contextlib.contextmanager
-def session(conninfo: str, schema: str, purpose: str) -> Iterator[psycopg.Connection[Any]]:
+def session(
+    conninfo: str, schema: str, purpose: str, *, pooled: bool = False
+) -> Iterator[psycopg.Connection[Any]]:
     """An autocommit connection for one operator session, named `outbox-relay <purpose>` in
     pg_stat_activity; ConfigError for a bad schema name, DatabaseUnavailable if unreachable."""
     values.check_identifier(schema)
     with translate_errors(schema):
         conn = psycopg.connect(
-            conninfo, autocommit=True, application_name=f"{APPLICATION_NAME} {purpose}"
+            conninfo,
+            autocommit=True,
+            application_name=f"{APPLICATION_NAME} {purpose}",
+            **options(pooled),
         )
     with conn:
         yield conn
+
+
+@contextlib.contextmanager
+def exclusive(
+    conninfo: str, schema: str, what: str, *, wait: bool, pooled: bool = False
+) -> Iterator[bool]:
+    """Hold the schema's lock for `what` (migrate, prune, pipeline) while the block runs: yields
+    whether it is held (always, with `wait`, once the holder before lets go). A transaction-
+    scoped lock, in a transaction left open on a connection of its own (queries/locks.sql), so it
+    excludes through a transaction-mode pooler too; the block does its work on other
+    connections. DatabaseUnavailable if the database cannot be reached."""
+    q = sql.load(schema)
+    name = {"name": f"{APPLICATION_NAME} {what} {schema}"}
+    with (
+        session(conninfo, schema, f"{what} lock", pooled=pooled) as conn,
+        translate_errors(schema),
+        conn.transaction(),
+    ):
+        row = conn.execute(q.wait_for_lock if wait else q.try_lock, name).fetchone()
+        yield bool(row and (wait or row[0]))
 
 
 def first_line(exc: BaseException) -> str:
@@ -78,10 +109,14 @@ class Session:
     """One autocommit connection (from `session`) to one outbox schema, with that schema's
     statements: what the operators' Admin and the pipeline's database side are built on."""
 
-    def __init__(self, conn: psycopg.Connection[Any], schema: str) -> None:
+    def __init__(
+        self, conn: psycopg.Connection[Any], schema: str, conninfo: str, *, pooled: bool = False
+    ) -> None:
         self._conn = conn
         self._schema = schema
         self._q = sql.load(schema)
+        self._conninfo = conninfo  # for the locks, held on connections of their own
+        self._pooled = pooled
 
 
 async def one_row(cur: psycopg.AsyncCursor[Any]) -> Any:

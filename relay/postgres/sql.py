@@ -1,5 +1,5 @@
 """Loads the named statements of queries/*.sql (one file per role that runs them: relay,
-producer, migrate, admin, pipeline), bound to one outbox schema."""
+producer, migrate, admin, pipeline; and the locks they share), bound to one outbox schema."""
 
 from __future__ import annotations
 
@@ -36,8 +36,6 @@ class Queries:
     listen: LiteralString
     enqueue: LiteralString
     enqueue_many: LiteralString
-    migration_lock: LiteralString
-    migration_unlock: LiteralString
     create_schema: LiteralString
     create_migrations_table: LiteralString
     applied_migrations: LiteralString
@@ -46,6 +44,7 @@ class Queries:
     record_migration: LiteralString
     revoke_public_execute: LiteralString
     relay_session: LiteralString
+    relay_settings: LiteralString
     schema_version: LiteralString
     blocked_keys: LiteralString
     release_key: LiteralString
@@ -69,10 +68,8 @@ class Queries:
     archive_stats: LiteralString
     archive_exact_count: LiteralString
     archive_count_older: LiteralString
-    prune_lock: LiteralString
-    prune_unlock: LiteralString
-    pipeline_lock: LiteralString
-    pipeline_unlock: LiteralString
+    wait_for_lock: LiteralString
+    try_lock: LiteralString
     export_horizon_archive: LiteralString
     export_horizon_dead: LiteralString
     snapshot_settled: LiteralString

@@ -79,17 +79,28 @@ class PgStore(Readings):
         max_size: int = 2,
         synchronous_commit: bool = True,
         batch_max_bytes: int = BATCH_MAX_BYTES,
+        pooled: bool = False,
     ) -> PgStore:
         """Open a pool and check the schema exists. Raises DatabaseUnavailable or SchemaMissing.
         Claims are always durable before they return; without `synchronous_commit`, settles do
-        not wait for the WAL flush (unless they record a re-send)."""
+        not wait for the WAL flush (unless they record a re-send). `pooled`: `conninfo` goes
+        through a transaction-mode pooler, so no prepared statements, and the session settings
+        the relay needs must be the role's (ConfigError if they are not)."""
         values.check_identifier(schema)
+        q = sql.load(schema)
         with translate_errors(schema):
             # One direct connection first: a pool only says "timed out", libpq says why.
             probe = await psycopg.AsyncConnection.connect(
-                conninfo, autocommit=True, connect_timeout=max(1, round(connect_timeout))
+                conninfo,
+                autocommit=True,
+                connect_timeout=max(1, round(connect_timeout)),
+                **pg.options(pooled),
             )
-            await probe.close()
+            try:
+                if pooled:
+                    await _check_role_settings(probe, q)
+            finally:
+                await probe.close()
         pool = psycopg_pool.AsyncConnectionPool(
             conninfo,
             min_size=1,
@@ -101,8 +112,14 @@ class PgStore(Readings):
             # relay's retries, not the pool's, decide how soon it is back after an outage.
             timeout=POOL_WAIT,
             reconnect_timeout=POOL_WAIT,
-            kwargs={"autocommit": True, "application_name": pg.APPLICATION_NAME},
-            configure=_session(sql.load(schema).relay_session),
+            kwargs={
+                "autocommit": True,
+                "application_name": pg.APPLICATION_NAME,
+                **pg.options(pooled),
+            },
+            # Through a transaction pooler a session setting would stay on a server connection
+            # that other clients then get, and not follow this one: the role's are checked above.
+            configure=None if pooled else _session(q.relay_session),
             name="outbox-relay",
         )
         try:
@@ -308,6 +325,22 @@ class PgStore(Readings):
             cur = await conn.execute(self._q.blocked_key_count)
             (count,) = await pg.one_row(cur)
         return int(count)
+
+
+async def _check_role_settings(conn: psycopg.AsyncConnection[Any], q: sql.Queries) -> None:
+    """What relay_session would set, as the role's own settings (ALTER ROLE … SET)."""
+    cur = await conn.execute(q.relay_settings)
+    durable, isolation, role = await pg.one_row(cur)
+    wrong = []
+    if durable == "off":
+        wrong.append("synchronous_commit = on")  # claims must be durable before a publish
+    if isolation != "read committed":
+        wrong.append("default_transaction_isolation = 'read committed'")
+    if wrong:
+        raise errors.ConfigError(
+            "behind a transaction pooler the relay cannot change its sessions' settings; "
+            f"set them for its role: {'; '.join(f'ALTER ROLE {role} SET {w}' for w in wrong)}"
+        )
 
 
 def _session(query: LiteralString) -> Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]]:

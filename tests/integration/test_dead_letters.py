@@ -21,7 +21,7 @@ from relay.core import config, errors
 from relay.core.filters import DeadFilter
 from relay.ops import metrics
 from relay.ops.retention import Pruner
-from relay.postgres import admin, sql
+from relay.postgres import admin, pg
 from tests.support.amqp import Broker
 from tests.support.inprocess import enqueue, query, running, settings_for, wait_for_count
 from tests.support.wait import until_async
@@ -428,14 +428,32 @@ def test_prune_deletes_old_rows_only_in_batches(ops: admin.Admin, database_url: 
         ops.archive_prune(timedelta(0))
 
 
+#: The session-level lock a pruner of a version before 0.2 took (a rolling upgrade has both).
+OLD_PRUNE_LOCK = "SELECT pg_try_advisory_lock(hashtextextended('outbox-relay prune outbox', 0))"
+
+
 def test_one_pruner_at_a_time(ops: admin.Admin, database_url: str) -> None:
     archive(database_url, 10, timedelta(days=10))
-    queries = sql.load("outbox")
-    with psycopg.connect(database_url, autocommit=True) as other:
-        assert other.execute(queries.prune_lock, {"schema": "outbox"}).fetchone() == (True,)
+    with pg.exclusive(database_url, "outbox", "prune", wait=False) as held:
+        assert held
         assert ops.archive_prune(timedelta(days=1)) is None
+        with pg.exclusive(database_url, "outbox", "prune", wait=False) as again:
+            assert not again
         assert rows(database_url, "SELECT count(*) FROM outbox.archive") == [(10,)]
-        other.execute(queries.prune_unlock, {"schema": "outbox"})
+    assert ops.archive_prune(timedelta(days=1)) == 10
+
+
+def test_a_pruner_of_the_previous_version_excludes_this_one_and_back(
+    ops: admin.Admin, database_url: str
+) -> None:
+    archive(database_url, 10, timedelta(days=10))
+    with psycopg.connect(database_url, autocommit=True) as old:
+        assert old.execute(OLD_PRUNE_LOCK).fetchone() == (True,)
+        assert ops.archive_prune(timedelta(days=1)) is None
+        old.execute("SELECT pg_advisory_unlock_all()")
+        with pg.exclusive(database_url, "outbox", "prune", wait=False) as held:
+            assert held
+            assert old.execute(OLD_PRUNE_LOCK).fetchone() == (False,)
     assert ops.archive_prune(timedelta(days=1)) == 10
 
 
@@ -488,10 +506,8 @@ async def test_the_relays_pruner_counts_what_it_did(database_url: str) -> None:
 
     pruner = Pruner(prune, 3600, counters)
     assert await pruner.run_once() == 1200
-    with psycopg.connect(database_url, autocommit=True) as other:
-        other.execute(sql.load("outbox").prune_lock, {"schema": "outbox"})
+    with pg.exclusive(database_url, "outbox", "prune", wait=False):
         assert await pruner.run_once() is None
-        other.execute(sql.load("outbox").prune_unlock, {"schema": "outbox"})
 
     def broken(stop: threading.Event) -> int | None:
         raise errors.DatabaseUnavailable("PostgreSQL unavailable")

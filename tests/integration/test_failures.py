@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 import psycopg
 import pytest
 
+from relay import app
 from relay.postgres.listener import Listener
 from relay.postgres.store import PgStore
 from tests.support.amqp import Broker
@@ -181,6 +182,11 @@ KILL_RELAY_SESSIONS = (
 )
 
 
+def listening(parts: app.Components) -> Listener:
+    assert parts.listener is not None  # these relays LISTEN on their database URL
+    return parts.listener
+
+
 async def reconnected(listener: Listener, before: int) -> None:
     """Wait until the LISTEN connection has come back since it had connected `before` times."""
     await until_async(
@@ -230,9 +236,9 @@ async def test_killed_database_sessions_are_survived(
     ):
         for n in (100, 250, 400):
             await flow.reaches(n)
-            before = parts.listener.connects
+            before = listening(parts).connects
             assert await scalar(database_url, KILL_RELAY_SESSIONS) >= 2  # pool and LISTEN
-            await reconnected(parts.listener, before)
+            await reconnected(listening(parts), before)
         await assert_all_delivered(broker, database_url, await flow.finish())
 
 
@@ -248,9 +254,9 @@ async def test_postgres_restart_is_survived(
             lambda: scalar(database_url, "SELECT count(*) > 0 FROM outbox.archive"),
             message="traffic before the restart",
         )
-        before = parts.listener.connects
+        before = listening(parts).connects
         await asyncio.to_thread(svc.database_ctl, "restart")
-        await reconnected(parts.listener, before)
+        await reconnected(listening(parts), before)
         second = await enqueue(database_url, *messages(broker.exchange, 100, "after"))
         await assert_all_delivered(broker, database_url, first + second)
 

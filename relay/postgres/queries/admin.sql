@@ -161,12 +161,5 @@ WHERE c.oid = to_regclass(%(archive)s);
 -- name: archive_exact_count
 SELECT count(*) FROM {schema}.archive;
 
--- name: prune_lock
--- One pruner at a time per schema, across replicas and operators (session-level, non-blocking).
-SELECT pg_try_advisory_lock(hashtextextended('outbox-relay prune ' || %(schema)s, 0));
-
--- name: prune_unlock
-SELECT pg_advisory_unlock(hashtextextended('outbox-relay prune ' || %(schema)s, 0));
-
 -- name: archive_count_older
 SELECT count(*) FROM {schema}.archive WHERE published_at < %(cutoff)s;

@@ -2,13 +2,6 @@
 -- `{schema}` is replaced by the quoted, validated schema name and `{new_channel}` by the quoted
 -- NOTIFY channel; nothing else is ever spliced into these texts.
 
--- name: migration_lock
--- One migrate at a time per schema, across processes and hosts (session-level advisory lock).
-SELECT pg_advisory_lock(hashtextextended('outbox-relay migrate ' || %(schema)s, 0));
-
--- name: migration_unlock
-SELECT pg_advisory_unlock(hashtextextended('outbox-relay migrate ' || %(schema)s, 0));
-
 -- name: create_schema
 CREATE SCHEMA IF NOT EXISTS {schema};
 

@@ -1,14 +1,7 @@
--- What the Spark pipeline runs on PostgreSQL (relay/pipeline/database.py): its lock, the
--- export horizons and the verified prune.
+-- What the Spark pipeline runs on PostgreSQL (relay/pipeline/database.py): the export horizons
+-- and the verified prune (its lock is in locks.sql).
 -- `{schema}` is replaced by the quoted, validated schema name and `{new_channel}` by the quoted
 -- NOTIFY channel; nothing else is ever spliced into these texts.
-
--- name: pipeline_lock
--- One pipeline run (export or prune) at a time per schema.
-SELECT pg_try_advisory_lock(hashtextextended('outbox-relay pipeline ' || %(schema)s, 0));
-
--- name: pipeline_unlock
-SELECT pg_advisory_unlock(hashtextextended('outbox-relay pipeline ' || %(schema)s, 0));
 
 -- name: export_horizon_archive
 -- The last archived id old enough to export, and the snapshot it was read in: once every

@@ -142,6 +142,11 @@ WHERE current_setting('synchronous_commit') = 'off'
 UNION ALL
 SELECT set_config('default_transaction_isolation', 'read committed', false);
 
+-- name: relay_settings
+-- What relay_session sets, read instead behind a transaction pooler (where it must be the role's).
+SELECT current_setting('synchronous_commit'), current_setting('default_transaction_isolation'),
+       quote_ident(current_user);
+
 -- name: schema_version
 SELECT coalesce(max(version), 0) FROM {schema}.schema_migrations;
 
