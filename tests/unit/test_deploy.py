@@ -41,19 +41,36 @@ def exported_series() -> set[str]:
     return names
 
 
-def selectors(expr: str) -> Iterator[str]:
-    """The metric names a PromQL expression reads (it raises if the expression does not parse)."""
+def vector_selectors(expr: str) -> Iterator[Any]:
+    """Every series selector of a PromQL expression (it raises if the expression does not parse)."""
     pending: list[Any] = [promql_parser.parse(expr)]
     while pending:
         node = pending.pop()
         if type(node).__name__ == "VectorSelector":
-            yield node.name
+            yield node
         for attr in ("lhs", "rhs", "expr", "args", "param", "vector_selector"):
             child = getattr(node, attr, None)
             if isinstance(child, list):
                 pending.extend(child)
             elif child is not None and type(child).__module__.startswith("promql"):
                 pending.append(child)
+
+
+def selectors(expr: str) -> Iterator[str]:
+    """The metric names a PromQL expression reads."""
+    for node in vector_selectors(expr):
+        yield node.name
+
+
+def matchers(selector: Any) -> dict[str, tuple[str, str]]:
+    """A series selector's label matchers: label -> (operator, value); at most one per label."""
+    ops = [(promql_parser.MatchOp.Equal, "="), (promql_parser.MatchOp.Re, "=~")]  # unhashable
+    found = {
+        m.name: (next((s for op, s in ops if m.op == op), str(m.op)), m.value)
+        for m in selector.matchers.matchers
+    }
+    assert len(found) == len(selector.matchers.matchers), f"{selector}: a label matched twice"
+    return found
 
 
 def yaml_docs(path: Path) -> list[dict[str, Any]]:
@@ -63,20 +80,45 @@ def yaml_docs(path: Path) -> list[dict[str, Any]]:
 # Alert rules ------------------------------------------------------------------------------------
 
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
+#: The same alerts for the Prometheus Operator.
+PROMETHEUS_RULE = DEPLOY / "kubernetes" / "prometheusrule.yaml"
 
 
-def rules() -> list[dict[str, Any]]:
-    return [rule for group in yaml_docs(ALERTS)[0]["groups"] for rule in group["rules"]]
+def rule_groups(path: Path) -> list[dict[str, Any]]:
+    """The rule groups of the plain rules file, or of the PrometheusRule's spec."""
+    (doc,) = yaml_docs(path)
+    groups = doc["spec"]["groups"] if doc.get("kind") == "PrometheusRule" else doc["groups"]
+    assert isinstance(groups, list)
+    return groups
 
 
-def test_alert_rules_pass_promtool() -> None:
+def rules(path: Path = ALERTS) -> list[dict[str, Any]]:
+    return [rule for group in rule_groups(path) for rule in group["rules"]]
+
+
+@pytest.mark.parametrize("source", [ALERTS, PROMETHEUS_RULE], ids=lambda p: p.name)
+def test_alert_rules_pass_promtool(source: Path, tmp_path: Path) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool not installed (deploy/dev test installs Debian's prometheus)")
+    rules_file = tmp_path / "rules.yml"  # promtool reads a rules file, not a PrometheusRule
+    rules_file.write_text(yaml.safe_dump({"groups": rule_groups(source)}), encoding="utf-8")
     result = subprocess.run(
-        [promtool, "check", "rules", str(ALERTS)], capture_output=True, text=True, check=False
+        [promtool, "check", "rules", str(rules_file)], capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_prometheus_rule_holds_exactly_the_rules_files_alerts() -> None:
+    """Two copies of the alerts, one for a Prometheus that reads rules files and one for the
+    Operator: they must not drift (the PrometheusRule's header says how to regenerate it)."""
+    (resource,) = yaml_docs(PROMETHEUS_RULE)
+    assert resource["apiVersion"] == "monitoring.coreos.com/v1"
+    assert resource["kind"] == "PrometheusRule"
+    assert resource["metadata"]["name"] == "outbox-relay"
+    assert set(resource) == {"apiVersion", "kind", "metadata", "spec"}
+    assert set(resource["spec"]) == {"groups"}
+    assert rule_groups(PROMETHEUS_RULE) == rule_groups(ALERTS)
 
 
 def test_alert_rules_cover_the_operator_questions_each_with_a_runbook() -> None:
@@ -116,15 +158,103 @@ def test_compose_prometheus_config_parses() -> None:
 # Grafana ----------------------------------------------------------------------------------------
 
 
+DASHBOARD = DEPLOY / "grafana" / "outbox-relay.json"
+#: The dashboard's query variables, each offering the values its predecessors leave.
+SCOPE = ("namespace", "job", "instance")
+
+
+def dashboard() -> dict[str, Any]:
+    loaded = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    assert isinstance(loaded, dict)
+    return loaded
+
+
+def panel_exprs() -> list[str]:
+    return [t["expr"] for p in dashboard()["panels"] for t in p["targets"]]
+
+
 def test_every_dashboard_query_names_metrics_the_relay_exports() -> None:
-    dashboard = json.loads((DEPLOY / "grafana" / "outbox-relay.json").read_text(encoding="utf-8"))
     exported = exported_series()
-    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs = panel_exprs()
     assert len(exprs) >= 15
     for expr in exprs:
         named = set(selectors(expr))
         assert named, expr
         assert named <= exported, f"{expr}: {named - exported}"
+
+
+def test_the_dashboard_is_importable() -> None:
+    """What Grafana needs to import it as is: the schema version it was written for, one id per
+    panel, and panels that do not overlap on the 24-column grid."""
+    board = dashboard()
+    assert board["schemaVersion"] == 39
+    panels = board["panels"]
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids))
+    taken: dict[tuple[int, int], str] = {}
+    for panel in panels:
+        grid = panel["gridPos"]
+        assert grid["x"] >= 0, panel["title"]
+        assert grid["w"] > 0, panel["title"]
+        assert grid["x"] + grid["w"] <= 24, panel["title"]
+        for x in range(grid["x"], grid["x"] + grid["w"]):
+            for y in range(grid["y"], grid["y"] + grid["h"]):
+                assert (x, y) not in taken, f"{panel['title']} overlaps {taken[x, y]}"
+                taken[x, y] = panel["title"]
+
+
+def test_the_dashboard_picks_namespace_job_and_instance_from_chained_variables() -> None:
+    """Each variable lists the values of outbox_relay_info (set at start-up, so exported by every
+    relay) left by the ones before it; any number of them, or All. All of namespace is `.*`, which
+    also matches series without the label (docker-compose's scrape adds none)."""
+    variables = [v for v in dashboard()["templating"]["list"] if v["type"] == "query"]
+    assert [v["name"] for v in variables] == list(SCOPE)
+    assert "outbox_relay_info" in exported_series()
+    for before, variable in enumerate(variables):
+        assert variable["multi"] is True, variable["name"]
+        assert variable["includeAll"] is True, variable["name"]
+        assert variable["datasource"]["uid"] == "${DS_PROMETHEUS}"
+        assert variable["definition"] == variable["query"]
+        found = re.fullmatch(
+            r"label_values\((outbox_relay_info(?:\{.*\})?), (\w+)\)", variable["query"]
+        )
+        assert found, variable["query"]
+        (selector,) = vector_selectors(found[1])
+        assert found[2] == variable["name"]
+        assert matchers(selector) == {n: ("=~", f"${n}") for n in SCOPE[:before]}
+    assert variables[0]["allValue"] == ".*"
+
+
+def test_every_dashboard_query_is_scoped_by_the_variables() -> None:
+    """Every series a panel reads (up included) is narrowed by all three variables, and nothing
+    names a job of its own: the job is whatever the scrape calls it, picked with $job."""
+    scope = {n: ("=~", f"${n}") for n in SCOPE}
+    for expr in panel_exprs():
+        for selector in vector_selectors(expr):
+            found = matchers(selector)
+            assert found.items() >= scope.items(), expr
+
+
+def unit_of(expr: str) -> str:
+    """The Grafana unit a query's values are in. By the Prometheus naming rule a metric's name
+    ends in its base unit, so a `_seconds` gauge, a quantile of a `_seconds` histogram and
+    `time() - …_timestamp_seconds` are seconds ("s"); any other rate() is events per second
+    ("ops"); the rest (gauges, up, increase() over a window, quantiles of a histogram of rows) are
+    counts ("short")."""
+    names = set(selectors(expr))
+    if any(name.endswith(("_seconds", "_seconds_bucket", "_seconds_sum")) for name in names):
+        return "s"
+    if "rate(" in expr and not expr.startswith("histogram_quantile("):
+        return "ops"
+    return "short"
+
+
+def test_no_dashboard_panel_mixes_units_on_one_axis() -> None:
+    """Seconds beside a count on one axis flatten one of them (and one unit labels both)."""
+    for panel in dashboard()["panels"]:
+        units = {unit_of(t["expr"]) for t in panel["targets"]}
+        assert units == {panel["fieldConfig"]["defaults"]["unit"]}, panel["title"]
+        assert "unit" not in json.dumps(panel["fieldConfig"]["overrides"]), panel["title"]
 
 
 # Kubernetes -------------------------------------------------------------------------------------
@@ -147,23 +277,29 @@ def test_manifests_match_the_kubernetes_schemas() -> None:
     assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
 
 
-def test_the_operators_job_label_is_the_one_the_alerts_and_dashboard_use() -> None:
+@pytest.mark.parametrize("source", [ALERTS, PROMETHEUS_RULE], ids=lambda p: p.name)
+def test_the_operators_job_label_is_the_one_the_alerts_use(source: Path) -> None:
     """Under the Prometheus Operator the job label comes from the ServiceMonitor's jobLabel (else
-    from the Service's name, outbox-relay-metrics, and the down alert fires forever)."""
+    from the Service's name, outbox-relay-metrics, and the down alert fires forever). The
+    dashboard names no job (its $job lists the jobs found)."""
     (monitor,) = yaml_docs(DEPLOY / "kubernetes" / "servicemonitor.yaml")
     labels = by_kind()["Service"]["metadata"]["labels"]
     assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
     job = labels[monitor["spec"]["jobLabel"]]
-    alerts = (DEPLOY / "prometheus" / "alerts.yml").read_text(encoding="utf-8")
-    dashboard = (DEPLOY / "grafana" / "outbox-relay.json").read_text(encoding="utf-8")
-    named = set(re.findall(r'job=\\?"([^"\\]+)', alerts + dashboard))
-    assert named == {job}
+    named = {
+        matchers(selector)["job"]
+        for rule in rules(source)
+        for selector in vector_selectors(rule["expr"])
+        if "job" in matchers(selector)
+    }
+    assert named == {("=", job)}
 
 
 def test_a_timestamp_gauge_at_zero_is_never_shown_as_an_age() -> None:
     """`time() - gauge` of a gauge at 0 (autovacuum never ran) is 56 years: filter the zero out."""
-    dashboard = (DEPLOY / "grafana" / "outbox-relay.json").read_text(encoding="utf-8")
-    ages = re.findall(r'time\(\) - ([^"]*timestamp_seconds[^"]*)"', dashboard)
+    ages = [
+        age for e in panel_exprs() for age in re.findall(r"time\(\) - (.*timestamp_seconds.*)", e)
+    ]
     assert ages
     assert all(age.rstrip(")").endswith("> 0") for age in ages), ages
 
