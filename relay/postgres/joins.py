@@ -110,6 +110,6 @@ def _is_sqlalchemy(conn: Any) -> bool:
 def _what_is(conn: Any, kind: str = "Connection") -> str:
     also = " or a Django connection" if kind == "Connection" else ""
     return (
-        f"conn must be a psycopg {kind} or a SQLAlchemy Session/{kind}{also}, "
+        f"conn must be a psycopg {kind} or a SQLAlchemy Session/Connection{also}, "
         f"not {type(conn).__name__}"
     )

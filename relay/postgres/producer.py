@@ -39,8 +39,9 @@ def enqueue(
 ) -> UUID:
     """Queue one message in `conn`'s current transaction and return its message_id.
 
-    `conn` is a psycopg Connection, or a SQLAlchemy Session or Connection on the psycopg 3 driver
-    (`postgresql+psycopg://`), whose transaction the message joins, on the same connection.
+    `conn` is a psycopg Connection, a SQLAlchemy Session or Connection on the psycopg 3 driver
+    (`postgresql+psycopg://`), or Django's connection (psycopg 3) inside `transaction.atomic()`
+    (InvalidArgument outside it), whose transaction the message joins, on the same connection.
     The message exists if and only if that transaction commits; this function never commits.
     `available_at` is a tz-aware time or a delay from now (by the database's clock).
     With OpenTelemetry installed and a span active, its trace context (W3C `traceparent`,
