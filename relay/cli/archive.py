@@ -10,10 +10,8 @@ import click
 
 from relay.cli.base import operator
 from relay.console import output
-from relay.console.options import batch_option, fail_cleanly, settings_options
+from relay.console.options import DATABASE, batch_option, fail_cleanly, settings_options
 from relay.core import errors, values
-
-DATABASE = ("database_url", "db_schema")
 
 
 @click.group()

@@ -1,8 +1,10 @@
-"""The `outbox-relay` command line: a thin layer over the composition root, migrations and demo."""
+"""The `outbox-relay` command line: a thin layer over the composition root, migrations and demo.
+
+What a command needs beyond click (the composition root, the drivers, pydantic's settings, rich) it
+imports when it runs: help and shell completion load none of it (tests/unit/test_startup.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import json
@@ -12,15 +14,14 @@ from typing import Any
 
 import click
 
-from relay import __version__, app
+from relay import __version__
 from relay.cli import archive as cli_archive
 from relay.cli import dead as cli_dead
-from relay.cli import demo
 from relay.cli import keys as cli_keys
 from relay.cli import lane as cli_lane
-from relay.cli import top as live
 from relay.console.options import (
     CONNECTION,
+    DATABASE,
     RELAY_KNOBS,
     Group,
     fail_cleanly,
@@ -28,10 +29,8 @@ from relay.console.options import (
     interval_option,
     settings_options,
 )
-from relay.core import config, errors, eventloop, logs
+from relay.core import errors
 from relay.pipeline import commands as pipeline_commands
-from relay.postgres import migrate as migrations
-from relay.postgres import roles as access
 
 __all__ = ["CONNECTION", "RELAY_KNOBS", "flag", "main"]
 
@@ -56,23 +55,26 @@ def main() -> None:
     is_flag=True,
     help="Print the SQL of the pending migrations instead of applying it (for Alembic, Flyway…).",
 )
-@settings_options("database_url", "db_schema", "log_level")
+@settings_options(*DATABASE, "log_level")
 @fail_cleanly
 def migrate(show_status: bool, print_sql: bool, **flags: Any) -> None:
     """Create or upgrade the outbox schema (idempotent; safe when several run at once)."""
+    from relay.core import config, logs
+    from relay.postgres import migrate as migrations
+
     settings = config.load(**flags)
-    url = settings.database_url.get_secret_value()
+    url, pooled = settings.database_url.get_secret_value(), settings.transaction_pooler
     if show_status and print_sql:
         raise errors.InvalidArgument("--status and --print-sql exclude each other")
     if show_status:
-        for migration, state in migrations.status(url, settings.db_schema):
+        for migration, state in migrations.status(url, settings.db_schema, pooled=pooled):
             click.echo(f"{migration.label:<40} {state}")
         return
     if print_sql:
-        click.echo(migrations.script(url, settings.db_schema), nl=False)
+        click.echo(migrations.script(url, settings.db_schema, pooled=pooled), nl=False)
         return
     logs.configure(settings.log_level, settings.log_format)
-    result = migrations.migrate(url, settings.db_schema)
+    result = migrations.migrate(url, settings.db_schema, pooled=pooled)
     if result.applied:
         names = ", ".join(m.label for m in result.applied)
         click.echo(f'applied {names}; schema "{settings.db_schema}" is at version {result.version}')
@@ -81,13 +83,16 @@ def migrate(show_status: bool, print_sql: bool, **flags: Any) -> None:
 
 
 @main.command()
-@settings_options("database_url", "db_schema", "log_level")
+@settings_options(*DATABASE, "log_level")
 @fail_cleanly
 def roles(**flags: Any) -> None:
     """Create the schema's producer, relay and operator roles and grant each only what its job
     needs (idempotent; run as the schema's owner with CREATEROLE, after `migrate`).
 
     The roles cannot log in: grant them to your users, e.g. GRANT outbox_producer TO app;"""
+    from relay.core import config, logs
+    from relay.postgres import roles as access
+
     settings = config.load(**flags)
     logs.configure(settings.log_level, settings.log_format)
     made = access.ensure(settings.database_url.get_secret_value(), settings.db_schema)
@@ -112,17 +117,25 @@ def roles(**flags: Any) -> None:
 @fail_cleanly
 def run(until_empty: bool, **flags: Any) -> None:
     """Run one relay until SIGINT/SIGTERM, then finish the batch in flight and exit 0."""
+    from relay import app
+    from relay.core import config, eventloop, logs
+
     settings = config.load(**flags)
     logs.configure(settings.log_level, settings.log_format)
     eventloop.run(app.run(settings, until_empty=until_empty), settings.event_loop)
 
 
 @main.command()
-@settings_options("database_url", "db_schema")
+@settings_options(*DATABASE)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @fail_cleanly
 def stats(as_json: bool, **flags: Any) -> None:
     """Pending, in-flight, archived and dead counts, and the oldest pending message's age."""
+    import asyncio
+
+    from relay import app
+    from relay.core import config
+
     settings = config.load(**flags)
     snapshot = asyncio.run(app.stats(settings))
     if as_json:
@@ -168,7 +181,7 @@ def _when(unix: float | None) -> str:
 
 
 @main.command()
-@settings_options("database_url", "db_schema")
+@settings_options(*DATABASE)
 @interval_option(0.1, "Seconds between refreshes.")
 @click.option("--once", is_flag=True, help="Print one frame and exit.")
 @click.option(
@@ -180,6 +193,11 @@ def _when(unix: float | None) -> str:
 @fail_cleanly
 def top(interval: float, once: bool, svg: str | None, **flags: Any) -> None:
     """The outbox live: rates, backlog, the longest wait, dead letters, database health."""
+    import asyncio
+
+    from relay.cli import top as live
+    from relay.core import config
+
     settings = config.load(**flags)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(live.run(settings, interval=interval, once=once, svg=svg))
@@ -197,6 +215,9 @@ def top(interval: float, once: bool, svg: str | None, **flags: Any) -> None:
 @fail_cleanly
 def demo_command(count: int | None, interval: float, **flags: Any) -> None:
     """Migrate, then enqueue sample orders and print them as a consumer receives them."""
+    from relay.cli import demo
+    from relay.core import config, eventloop, logs
+
     settings = config.load(**flags)
     logs.configure(settings.log_level, settings.log_format)
     ok = eventloop.run(

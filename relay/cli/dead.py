@@ -6,22 +6,21 @@ import contextlib
 import dataclasses
 import json
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
-from rich.table import Table
-from rich.text import Text
 
 from relay.cli.base import operator
 from relay.console import output
-from relay.console.options import batch_option, fail_cleanly, settings_options
+from relay.console.options import DATABASE, batch_option, fail_cleanly, settings_options
 from relay.core import errors, model, render
 from relay.core.filters import DeadFilter
-from relay.postgres import admin
+
+if TYPE_CHECKING:
+    from relay.postgres import admin
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-DATABASE = ("database_url", "db_schema")
 #: How much of a body `dead show` prints unless --full.
 BODY_PREVIEW = 2000
 #: How many rows a dry run lists.
@@ -171,6 +170,9 @@ def dead_stats(as_json: bool, **flags: Any) -> None:
     if not groups:
         click.echo("no dead letters")
         return
+    from rich.table import Table  # rich loads to print, not for help
+    from rich.text import Text
+
     table = Table("reason", "exchange", "count", "first", "last", box=None)
     for g in groups:
         table.add_row(
@@ -344,6 +346,9 @@ def _target(exchange: str | None, routing_key: str | None) -> str:
 
 
 def _table(rows: Sequence[admin.DeadRow]) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
     table = Table(
         "message_id…",
         "failed_at",

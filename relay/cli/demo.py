@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import signal
 import time
@@ -37,7 +38,11 @@ async def run(
     consumer receives; stop after `count` committed messages arrive (or on Ctrl-C / SIGTERM).
     Returns True when every committed message arrived once and no rolled-back one did."""
     database_url = settings.database_url.get_secret_value()
-    await asyncio.to_thread(migrate.migrate, database_url, settings.db_schema)
+    await asyncio.to_thread(
+        functools.partial(migrate.migrate, pooled=settings.transaction_pooler),
+        database_url,
+        settings.db_schema,
+    )
     tally = _Tally()
     stop = asyncio.Event()
     async with app.components(settings) as parts, _consumer(settings, tally, count, echo):

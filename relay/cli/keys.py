@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from relay.cli.base import operator
-from relay.console.options import fail_cleanly, settings_options
+from relay.console.options import DATABASE, fail_cleanly, settings_options
 from relay.core import errors, values
-from relay.postgres import admin
+
+if TYPE_CHECKING:
+    from relay.postgres import admin  # psycopg: loaded by base.operator, when a command runs
 
 
 @click.group()
@@ -20,7 +22,7 @@ def keys() -> None:
 
 
 @keys.command(name="blocked")
-@settings_options("database_url", "db_schema")
+@settings_options(*DATABASE)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per key.")
 @fail_cleanly
 def keys_blocked(as_json: bool, **flags: Any) -> None:
@@ -47,7 +49,7 @@ def keys_blocked(as_json: bool, **flags: Any) -> None:
     is_flag=True,
     help="Put the dead message back in its place (sent first) instead of skipping it.",
 )
-@settings_options("database_url", "db_schema")
+@settings_options(*DATABASE)
 @fail_cleanly
 def keys_release(ordering_key: str, replay: bool, **flags: Any) -> None:
     """Let a blocked key go on."""
@@ -64,7 +66,7 @@ def keys_policy() -> None:
 
 
 @keys_policy.command(name="list")
-@settings_options("database_url", "db_schema")
+@settings_options(*DATABASE)
 @fail_cleanly
 def keys_policy_list(**flags: Any) -> None:
     """Every policy ('' is the default for all keys)."""
@@ -93,7 +95,7 @@ def keys_policy_list(**flags: Any) -> None:
     metavar="DURATION",
     help="Least time between releases of a key's messages (e.g. 200ms, 1s).",
 )
-@settings_options("database_url", "db_schema")
+@settings_options(*DATABASE)
 @fail_cleanly
 def keys_policy_set(
     prefix: str,
@@ -115,7 +117,7 @@ def keys_policy_set(
 
 @keys_policy.command(name="delete")
 @click.argument("prefix")
-@settings_options("database_url", "db_schema")
+@settings_options(*DATABASE)
 @fail_cleanly
 def keys_policy_delete(prefix: str, **flags: Any) -> None:
     """Remove the policy of PREFIX (keys fall back to a shorter prefix, or the default)."""

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from relay.cli.base import operator
-from relay.console.options import fail_cleanly, settings_options
+from relay.console.options import DATABASE, fail_cleanly, settings_options
 from relay.core import errors
-from relay.postgres import admin
 
-DATABASE = ("database_url", "db_schema")
+if TYPE_CHECKING:
+    from relay.postgres import admin  # psycopg: loaded by base.operator, when a command runs
+
 #: How often `lane off` looks again while it waits (seconds), and says where it is.
 LOOK_EVERY = 1.0
 SAY_EVERY = 10.0

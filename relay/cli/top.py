@@ -90,7 +90,11 @@ async def run(
     """Refresh every `interval` seconds until Ctrl-C; with `once`, print one frame and return;
     with `svg`, also save the last frame as an SVG picture."""
     store = await PgStore.open(
-        settings.database_url.get_secret_value(), settings.db_schema, "outbox-relay top", max_size=1
+        settings.database_url.get_secret_value(),
+        settings.db_schema,
+        "outbox-relay top",
+        max_size=1,
+        pooled=settings.transaction_pooler,
     )
     console = Console(record=svg is not None)
     try:

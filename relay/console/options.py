@@ -1,6 +1,7 @@
 """What every `outbox-relay` command shares: settings as flags, `--batch` and `--interval`
 options, one-line errors with their exit codes, and a command group whose usage errors are one
-line too."""
+line too. The flags are read off settings.json (console.settings), not the models: help and
+completion start without pydantic."""
 
 from __future__ import annotations
 
@@ -13,18 +14,21 @@ from typing import Any, NoReturn, TypeVar
 import click
 from click.exceptions import NoArgsIsHelpError
 
-from relay.core import config, describe, errors, values
+from relay.console import settings
+from relay.core import errors, values
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 CONNECTION = ("database_url", "amqp_url", "db_schema")
+#: What every command that works on the database alone takes.
+DATABASE = ("database_url", "db_schema", "transaction_pooler")
 #: Every other setting of the relay, in the order Settings defines them: a new field is a new flag.
-RELAY_KNOBS = tuple(f for f in config.Settings.model_fields if f not in CONNECTION)
+RELAY_KNOBS = tuple(f for f in settings.fields("Settings") if f not in CONNECTION)
 
 
 def flag(field: str) -> str:
     """The command-line flag of a setting: OUTBOX_BATCH_SIZE → --batch-size."""
-    return config.flag_name(field)
+    return settings.setting(field).flag
 
 
 def settings_options(*fields: str) -> Callable[[F], F]:
@@ -32,13 +36,9 @@ def settings_options(*fields: str) -> Callable[[F], F]:
 
     def decorate(command: F) -> F:
         for field in reversed(fields):
-            described = describe.describe(field)
+            told = settings.setting(field)
             command = click.option(
-                flag(field),
-                field,
-                default=None,
-                metavar=described.metavar,
-                help=described.help,
+                told.flag, field, default=None, metavar=told.metavar, help=told.help
             )(command)
         return command
 
@@ -94,7 +94,7 @@ class Group(click.Group):
 
     def main(self, *args: Any, **kwargs: Any) -> Any:
         kwargs["standalone_mode"] = False
-        for name, closest in describe.unknown_variables(os.environ):
+        for name, closest in settings.unknown_variables(os.environ):
             hint = f" (did you mean {closest}?)" if closest else ""
             click.echo(f"outbox-relay: warning: {name} is not a setting: ignored{hint}", err=True)
         try:

@@ -7,17 +7,26 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
-from typing import Any
-
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from typing import TYPE_CHECKING, Any
 
 from relay.console.options import die
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 @contextmanager
 def progress(verb: str, total: int | None) -> Iterator[Callable[[int], None]]:
     """A progress bar on stderr when it is a terminal; on interrupt, how far it got."""
+    from rich.console import Console  # rich loads when a command prints, not for its help
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
     done = 0
     console = Console(stderr=True)
     columns = [TextColumn(verb), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
@@ -41,6 +50,8 @@ def progress(verb: str, total: int | None) -> Iterator[Callable[[int], None]]:
 
 def console() -> Console:
     """Stdout, as wide as the terminal, or wide enough not to fold rows into a pipe."""
+    from rich.console import Console
+
     probe = Console()
     return probe if probe.is_terminal else Console(width=240)
 

@@ -1,16 +1,15 @@
 """How the settings are told to people: a flag's metavar and help read off a setting's definition,
-and the OUTBOX_* variables that no setting reads."""
+and the table of every setting and variable that the command line reads instead of the models
+(relay/console/settings.json, written by `python -m relay.console.settings`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BeforeValidator, SecretStr
 
-from relay.core.config import SECRETS, PipelineSettings, Settings, env_name
+from relay.core.config import SECRETS, PipelineSettings, Settings, env_name, flag_name
 from relay.core.values import parse_duration, redact_url
 
 
@@ -70,15 +69,25 @@ def _bounds(metadata: list[Any]) -> list[str]:
     return said
 
 
-def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
-    """The OUTBOX_* variables in `environ` that no setting reads, each with the closest name one
-    does (None if nothing is close): a misspelt variable is otherwise silently ignored."""
-    known = {
-        env_name(f) for f in Settings.model_fields.keys() | PipelineSettings.model_fields.keys()
-    }
-    known |= {f"{env_name(field)}_FILE" for field in SECRETS}
-    return [
-        (name, next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.8)), None))
-        for name in sorted(environ)
-        if name.startswith("OUTBOX_") and name not in known
-    ]
+def table() -> dict[str, Any]:
+    """Every setting as the command line tells it, in the order the models define them (Settings',
+    then the pipeline's own): its flag, metavar, help, variable and the models that have it; and
+    every OUTBOX_* variable some setting reads, the `_FILE` ones of secrets included."""
+    models = {"Settings": Settings.model_fields, "PipelineSettings": PipelineSettings.model_fields}
+    fields = dict.fromkeys(field for known in models.values() for field in known)
+    settings = []
+    for field in fields:
+        told = describe(field)
+        settings.append(
+            {
+                "field": field,
+                "flag": flag_name(field),
+                "env": env_name(field),
+                "metavar": told.metavar,
+                "help": told.help,
+                "models": [name for name, known in models.items() if field in known],
+            }
+        )
+    variables = {env_name(field) for field in fields}
+    variables |= {f"{env_name(field)}_FILE" for field in SECRETS}
+    return {"settings": settings, "variables": sorted(variables)}

@@ -1,4 +1,5 @@
-"""`outbox-relay pipeline …`: the Spark data pipeline's commands (pyspark loads only when run)."""
+"""`outbox-relay pipeline …`: the Spark data pipeline's commands (pyspark and pydantic load only
+when one runs)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ from typing import Any, TypeVar
 import click
 
 from relay.console.options import Group, fail_cleanly, settings_options
-from relay.core import config, errors, values
+from relay.core import errors, values
 from relay.core.filters import when
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-SPARK = ("database_url", "db_schema", "lake", "spark_master", "jdbc_jar")
+SPARK = ("database_url", "db_schema", "transaction_pooler", "lake", "spark_master", "jdbc_jar")
 EXPORT = ("export_partitions", "export_chunk", "fetch_size")
 
 
@@ -113,6 +114,8 @@ def _run(
     since: date | None = None,
     conf: Sequence[str] = (),
 ) -> None:
+    from relay.core import config
+
     settings = config.load_pipeline(**flags)
     spark_settings = dict(_pair(item) for item in conf)
     try:

@@ -74,5 +74,7 @@ def _database(
         yield None
         return
     url = settings.database_url.get_secret_value()
-    with PipelineDatabase.connect(url, settings.db_schema) as db:
+    with PipelineDatabase.connect(
+        url, settings.db_schema, pooled=settings.transaction_pooler
+    ) as db:
         yield db

@@ -130,11 +130,11 @@ def _apply_one(conn: psycopg.Connection[Any], q: sql.Queries, migration: Migrati
         ) from exc
 
 
-def status(conninfo: str, schema: str) -> list[tuple[Migration, str]]:
+def status(conninfo: str, schema: str, *, pooled: bool = False) -> list[tuple[Migration, str]]:
     """Each migration in this release with its state in the database: `applied`, `pending`, or
     `changed` (applied, but the file differs: migrate will refuse). Reads only."""
     values.check_identifier(schema)
-    with pg.session(conninfo, schema, "migrate --status") as conn:
+    with pg.session(conninfo, schema, "migrate --status", pooled=pooled) as conn:
         applied = _recorded(conn, sql.load(schema), schema)
     return [
         (
@@ -149,14 +149,14 @@ def status(conninfo: str, schema: str) -> list[tuple[Migration, str]]:
     ]
 
 
-def script(conninfo: str, schema: str) -> str:
+def script(conninfo: str, schema: str, *, pooled: bool = False) -> str:
     """The SQL `migrate` would run now, for a schema-change tool (Alembic, Flyway, Liquibase) to
     apply instead: each pending migration in a transaction of its own, recorded as `migrate`
     records it, so `migrate` afterwards finds nothing to do. Reads only. MigrationError if an
     applied file changed."""
     values.check_identifier(schema)
     q = sql.load(schema)
-    with pg.session(conninfo, schema, "migrate --print-sql") as conn:
+    with pg.session(conninfo, schema, "migrate --print-sql", pooled=pooled) as conn:
         applied = _recorded(conn, q, schema)
         ours = discover()
         changed = [m.label for m in ours if applied.get(m.version, m.checksum) != m.checksum]

@@ -40,7 +40,8 @@ def test_the_wheel_carries_migrations_queries_and_type_hints(wheel: Path) -> Non
     assert {f"relay/migrations/{m}" for m in migrations} <= names
     roles = ("relay", "producer", "migrate", "admin", "pipeline")
     queries = {f"relay/postgres/queries/{n}.sql" for n in roles}
-    assert queries | {"relay/postgres/roles.sql", "relay/py.typed"} <= names
+    shipped = {"relay/postgres/roles.sql", "relay/py.typed", "relay/console/settings.json"}
+    assert queries | shipped <= names
     assert not any(n.startswith("tests/") for n in names)
     (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
     extras = {

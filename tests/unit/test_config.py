@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from relay.console import settings as settings_file
 from relay.core import config, describe, errors, values
 
 
@@ -119,7 +120,7 @@ def test_unknown_outbox_variables_are_named_with_the_closest_setting() -> None:
         "OUTBOX_WHATEVER": "1",
         "PATH": "/bin",
     }
-    assert describe.unknown_variables(environ) == [
+    assert settings_file.unknown_variables(environ) == [
         ("OUTBOX_DATABSE_URL", "OUTBOX_DATABASE_URL"),
         ("OUTBOX_WHATEVER", None),
     ]
