@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from datetime import timedelta
 from typing import Any
 
@@ -29,7 +28,7 @@ def archive_stats(exact: bool, as_json: bool, **flags: Any) -> None:
     with operator(flags) as ops:
         stats = ops.archive_stats(exact=exact)
     if as_json:
-        click.echo(json.dumps(output.record(stats), sort_keys=True))
+        output.document(stats)
         return
     rows = (
         f"{stats.exact_rows:,}"

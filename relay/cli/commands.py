@@ -6,8 +6,6 @@ imports when it runs: help and shell completion load none of it (tests/unit/test
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import sys
 from datetime import UTC, datetime
 from typing import Any
@@ -139,7 +137,9 @@ def stats(as_json: bool, **flags: Any) -> None:
     settings = config.load(**flags)
     snapshot = asyncio.run(app.stats(settings))
     if as_json:
-        click.echo(json.dumps(dataclasses.asdict(snapshot), sort_keys=True))
+        from relay.console import output
+
+        output.document(snapshot)
         return
     age = snapshot.oldest_pending_age_seconds
     reasons = ", ".join(f"{k} {v}" for k, v in snapshot.dead_by_reason.items())

@@ -12,7 +12,13 @@ import click
 
 from relay.cli.base import operator
 from relay.console import output
-from relay.console.options import DATABASE, batch_option, fail_cleanly, settings_options
+from relay.console.options import (
+    DATABASE,
+    batch_option,
+    fail_cleanly,
+    list_json_options,
+    settings_options,
+)
 from relay.core import errors, model, render
 from relay.core.filters import DeadFilter
 
@@ -87,23 +93,17 @@ def dead() -> None:
 @dead.command(name="list")
 @dead_filters
 @click.option("--limit", type=click.IntRange(1, 100_000), default=50, show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON array.")
-@click.option("--jsonl", "as_jsonl", is_flag=True, help="Print one JSON object per line.")
+@list_json_options
 @settings_options(*DATABASE)
 @fail_cleanly
 def dead_list(limit: int, as_json: bool, as_jsonl: bool, **flags: Any) -> None:
     """Dead letters, oldest failure first."""
-    if as_json and as_jsonl:
-        raise errors.InvalidArgument("--json and --jsonl exclude each other")
     where = _where(**_split(flags))
     with operator(flags) as ops:
         rows = ops.dead_list(where, limit)
         more = ops.dead_count(where) - len(rows) if len(rows) == limit else 0
-    if as_json:
-        click.echo(json.dumps([output.record(r) for r in rows], indent=2, sort_keys=True))
-    elif as_jsonl:
-        for row in rows:
-            click.echo(json.dumps(output.record(row), sort_keys=True))
+    if as_json or as_jsonl:
+        output.records(rows, as_json=as_json, as_jsonl=as_jsonl)
     elif rows:
         _table(rows)
         if more:
@@ -157,15 +157,15 @@ def dead_show(message_id: str, full: bool, as_json: bool, **flags: Any) -> None:
 
 
 @dead.command(name="stats")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON array.")
+@list_json_options
 @settings_options(*DATABASE)
 @fail_cleanly
-def dead_stats(as_json: bool, **flags: Any) -> None:
+def dead_stats(as_json: bool, as_jsonl: bool, **flags: Any) -> None:
     """Dead letters grouped by reason and exchange."""
     with operator(flags) as ops:
         groups = ops.dead_stats()
-    if as_json:
-        click.echo(json.dumps([output.record(g) for g in groups], indent=2, sort_keys=True))
+    if as_json or as_jsonl:
+        output.records(groups, as_json=as_json, as_jsonl=as_jsonl)
         return
     if not groups:
         click.echo("no dead letters")

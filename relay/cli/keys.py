@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from relay.cli.base import operator
-from relay.console.options import DATABASE, fail_cleanly, settings_options
+from relay.console.options import DATABASE, fail_cleanly, list_json_options, settings_options
 from relay.core import errors, values
 
 if TYPE_CHECKING:
@@ -23,22 +21,23 @@ def keys() -> None:
 
 @keys.command(name="blocked")
 @settings_options(*DATABASE)
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per key.")
+@list_json_options
 @fail_cleanly
-def keys_blocked(as_json: bool, **flags: Any) -> None:
+def keys_blocked(as_json: bool, as_jsonl: bool, **flags: Any) -> None:
     """Keys held because one of their messages was dead-lettered (policy 'block')."""
+    from relay.console import output
+
     with operator(flags) as ops:
         blocked = ops.blocked_keys()
+    if as_json or as_jsonl:
+        output.records(blocked, as_json=as_json, as_jsonl=as_jsonl)
+        return
     for key in blocked:
-        if as_json:
-            click.echo(json.dumps(dataclasses.asdict(key), default=str, sort_keys=True))
-        else:
-            click.echo(
-                f"{key.ordering_key}  seq {key.seq} dead ({key.reason}) since "
-                f"{key.blocked_at:%Y-%m-%d %H:%M:%S%z}, {key.waiting} waiting, "
-                f"message_id {key.message_id}"
-            )
-    if not blocked and not as_json:
+        click.echo(
+            f"{key.ordering_key}  seq {key.seq} dead ({key.reason}) since "
+            f"{output.show(key.blocked_at)}, {key.waiting} waiting, message_id {key.message_id}"
+        )
+    if not blocked:
         click.echo("no blocked keys")
 
 

@@ -45,6 +45,14 @@ def settings_options(*fields: str) -> Callable[[F], F]:
     return decorate
 
 
+def list_json_options(command: F) -> F:
+    """`--json` (one array) and `--jsonl` (one object per line) for a command that lists."""
+    command = click.option(
+        "--jsonl", "as_jsonl", is_flag=True, help="Print one JSON object per line."
+    )(command)
+    return click.option("--json", "as_json", is_flag=True, help="Print one JSON array.")(command)
+
+
 def batch_option(default: int) -> Callable[[F], F]:
     """`--batch N`: rows per transaction of a command that moves or deletes many (1–100,000)."""
     return click.option(

@@ -1,15 +1,19 @@
-"""How the dead-letter and archive commands print: JSON records (times in ISO 8601 UTC), times for
-people, progress bars, and a console as wide as the terminal."""
+"""How the commands print: JSON for scripts (one convention for every `--json`), times for people,
+progress bars, and a console as wide as the terminal."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+import click
+
 from relay.console.options import die
+from relay.core import errors
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -57,14 +61,35 @@ def console() -> Console:
 
 
 def record(item: Any) -> dict[str, Any]:
-    """A dataclass as JSON-ready values (times in ISO 8601 UTC, ids as text, bytes left out)."""
+    """A dataclass as JSON-ready values, by the one convention of every `--json` (README,
+    Operating it): times in ISO 8601 UTC, ids as text, nothing as null, bytes left out."""
     return {k: _json(v) for k, v in dataclasses.asdict(item).items() if not isinstance(v, bytes)}
+
+
+def records(items: Any, *, as_json: bool, as_jsonl: bool) -> None:
+    """A list for scripts: `--json` one array, `--jsonl` one object per line."""
+    if as_json and as_jsonl:
+        raise errors.InvalidArgument("--json and --jsonl exclude each other")
+    if as_json:
+        click.echo(json.dumps([record(i) for i in items], indent=2, sort_keys=True))
+    else:
+        for item in items:
+            click.echo(json.dumps(record(item), sort_keys=True))
+
+
+def document(item: Any) -> None:
+    """One thing for scripts (`--json`): one object."""
+    click.echo(json.dumps(record(item), indent=2, sort_keys=True))
 
 
 def _json(value: Any) -> Any:
     if isinstance(value, datetime):
         return value.astimezone(UTC).isoformat()
-    return value if isinstance(value, int | str | dict | list | None) else str(value)
+    if isinstance(value, dict):
+        return {str(k): _json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json(v) for v in value]
+    return value if isinstance(value, bool | int | float | str | None) else str(value)
 
 
 def show(value: Any) -> str:

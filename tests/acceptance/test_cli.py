@@ -223,7 +223,10 @@ def test_keys_commands(database_url: str) -> None:
         conn.commit()
     listed = run_cli("keys", "blocked", "--json", env=env)
     assert listed.returncode == 0, listed.stderr
-    (entry,) = [json.loads(line) for line in listed.stdout.splitlines()]
+    (entry,) = json.loads(listed.stdout)  # one array, as every listing's --json
+    assert entry["blocked_at"].endswith("+00:00")  # ISO 8601 in UTC, as every --json
+    lines = run_cli("keys", "blocked", "--jsonl", env=env).stdout.splitlines()
+    assert [json.loads(line) for line in lines] == [entry]
     assert (entry["ordering_key"], entry["seq"], entry["reason"], entry["waiting"]) == (
         "order-9",
         1,
