@@ -38,7 +38,7 @@ def test_the_wheel_carries_migrations_queries_and_type_hints(wheel: Path) -> Non
     names = set(zipfile.ZipFile(wheel).namelist())
     migrations = sorted(p.name for p in (ROOT / "sql").glob("*.sql"))
     assert {f"relay/migrations/{m}" for m in migrations} <= names
-    roles = ("relay", "producer", "migrate", "admin", "pipeline")
+    roles = ("relay", "producer", "migrate", "admin", "pipeline", "locks")
     queries = {f"relay/postgres/queries/{n}.sql" for n in roles}
     shipped = {"relay/postgres/roles.sql", "relay/py.typed", "relay/console/settings.json"}
     assert queries | shipped <= names
@@ -50,6 +50,7 @@ def test_the_wheel_carries_migrations_queries_and_type_hints(wheel: Path) -> Non
         if line.startswith("Provides-Extra:")
     }
     assert {"sqlalchemy", "otel", "spark"} <= extras
+    assert "dev" not in extras  # the project's tools are a dependency group, not a user's extra
     fields = zipfile.ZipFile(wheel).read(metadata).decode().splitlines()
     assert f"Version: {relay.__version__}" in fields  # one source: relay/__init__.py
     assert any(line.startswith("Project-URL: Source, ") for line in fields)
