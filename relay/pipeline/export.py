@@ -27,6 +27,7 @@ class Source:
     schema: str
     partitions: int
     fetch_size: int
+    pooled: bool = False  # a transaction pooler on the way (OUTBOX_TRANSACTION_POOLER)
 
 
 def plan(done_up_to: int, horizon: int, chunk: int, table: Table) -> list[Range]:
@@ -70,7 +71,7 @@ def _write(
 ) -> int:
     started = time.monotonic()
     manifest.mark(r, "started")
-    url, properties = jdbc.target(source.database_url)
+    url, properties = jdbc.target(source.database_url, pooled=source.pooled)
     rows = (
         spark.read.format("jdbc")
         .option("url", url)

@@ -25,9 +25,10 @@ _PASSED = {
 _IGNORED = frozenset({"host", "hostaddr", "port", "dbname", "user", "password"})
 
 
-def target(database_url: str) -> tuple[str, dict[str, str]]:
+def target(database_url: str, *, pooled: bool = False) -> tuple[str, dict[str, str]]:
     """The JDBC URL (without credentials) and the connection properties (user, password, TLS…)
-    for `database_url`. ConfigError for what JDBC cannot do (a Unix socket, an unknown option)."""
+    for `database_url`; `pooled` (a transaction pooler on the way): no server-side prepared
+    statements. ConfigError for what JDBC cannot do (a Unix socket, an unknown option)."""
     try:
         params = psycopg.conninfo.conninfo_to_dict(database_url)
     except psycopg.ProgrammingError as exc:
@@ -56,6 +57,8 @@ def target(database_url: str) -> tuple[str, dict[str, str]]:
             raise errors.ConfigError(
                 f"OUTBOX_DATABASE_URL parameter {name!r} has no JDBC equivalent the pipeline knows"
             )
+    if pooled:
+        properties["prepareThreshold"] = "0"
     servers = ",".join(f"{h}:{p or 5432}" for h, p in zip(hosts, ports, strict=True))
     return f"jdbc:postgresql://{servers}/{quote(dbname, safe='')}", properties
 

@@ -46,6 +46,7 @@ def run(
                     settings.db_schema,
                     settings.export_partitions,
                     settings.fetch_size,
+                    settings.transaction_pooler,
                 )
                 phase = time.monotonic()
                 rows = export(spark, lake, source, db, cutoff, chunk=settings.export_chunk, say=say)

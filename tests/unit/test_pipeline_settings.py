@@ -39,6 +39,13 @@ def test_several_hosts_and_defaults() -> None:
     assert url == "jdbc:postgresql://h:5432/weird%20name"
 
 
+def test_behind_a_transaction_pooler_jdbc_prepares_nothing() -> None:
+    _, direct = jdbc.target("postgresql://app@h/db")
+    _, pooled = jdbc.target("postgresql://app@h/db", pooled=True)
+    assert "prepareThreshold" not in direct
+    assert pooled == direct | {"prepareThreshold": "0"}
+
+
 @pytest.mark.parametrize(
     ("url", "fragment"),
     [
