@@ -18,7 +18,7 @@ import tenacity
 from relay import __version__
 from relay.amqp.connection import tls_context
 from relay.amqp.publisher import AmqpPublisher
-from relay.core import chores, config, errors, eventloop, loop, model, retry, tracing
+from relay.core import chores, config, errors, eventloop, loop, model, retry, tracing, waiting
 from relay.ops import lifecycle, metrics, upkeep
 from relay.ops.probes import Probes
 from relay.ops.probes import listen as probes_listen
@@ -105,11 +105,7 @@ async def _unless_stopped(step: Awaitable[T], stop: asyncio.Event) -> T:
     if stop.is_set():
         raise StoppedWhileStarting
     task = asyncio.ensure_future(step)
-    stopping = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopping.cancel()
+    await waiting.done_or_set(task, stop)
     if not task.done():
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -20,6 +20,15 @@ def ready(value: T) -> asyncio.Future[T]:
 async def any_event(events: Sequence[asyncio.Event], seconds: float | None) -> None:
     """Return when any event is set or after `seconds`, whichever is first."""
     await any_of([e.wait() for e in events], seconds)
+
+
+async def done_or_set(task: asyncio.Future[Any], event: asyncio.Event) -> None:
+    """Return when `task` is done or `event` is set, whichever is first; `task` keeps running."""
+    setting = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({task, setting}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        setting.cancel()
 
 
 async def any_of(awaitables: Sequence[Awaitable[object]], seconds: float | None) -> None:

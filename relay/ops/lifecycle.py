@@ -8,7 +8,7 @@ import logging
 import signal
 from collections.abc import Callable, Iterator
 
-from relay.core import chores, errors
+from relay.core import chores, errors, waiting
 from relay.ops.watch import Watcher
 
 log = logging.getLogger("relay.app")  # the name these lines carried before they moved here
@@ -55,11 +55,7 @@ SETTLE_MARGIN = 10.0
 async def until_stopped(work: asyncio.Task[None], stop: asyncio.Event, grace: float) -> None:
     """Wait for `work` (the loop) to end, or for `stop`; then give it `grace` and SETTLE_MARGIN
     to settle what is in flight. A crash of the loop propagates."""
-    stopping = asyncio.create_task(stop.wait())
-    try:
-        await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopping.cancel()
+    await waiting.done_or_set(work, stop)
     if not work.done():
         log.info("stopping: no new claims; finishing the batch in flight (up to %gs)", grace)
         try:

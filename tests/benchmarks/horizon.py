@@ -44,7 +44,7 @@ from psycopg import sql
 
 from tests.benchmarks.drain import declare, delete
 from tests.support import services
-from tests.support.processes import clean_env
+from tests.support.processes import clean_env, end
 
 BODY = 1024
 PHASES = ("clean", "pinned", "readers", "recovery")
@@ -333,11 +333,7 @@ def pinned(
                 raise SystemExit(f"relay exited ({proc.wait()}) before it was ready")
             uvloop.run(run.main())
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            end(proc, 30)
         asyncio.run(delete(svc.amqp_url, exchange, exchange))
     phases = [p.summary() for p in run.phases]
     for p in phases:

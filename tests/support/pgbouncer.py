@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from tests.support.processes import end
 from tests.support.wait import until
 
 BINARY = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
@@ -82,9 +83,4 @@ logfile = {here / "pgbouncer.log"}
             credentials = target.netloc.rpartition("@")[0] or user
             yield target._replace(netloc=f"{credentials}@127.0.0.1:{port}").geturl()
         finally:
-            process.terminate()
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            end(process)

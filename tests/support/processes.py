@@ -9,6 +9,17 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def end(proc: subprocess.Popen[Any], seconds: float = 10.0) -> None:
+    """SIGTERM; SIGKILL if it has not exited within `seconds`."""
+    proc.terminate()
+    try:
+        proc.wait(seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def clean_env(**settings: str) -> dict[str, str]:
