@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -441,6 +442,19 @@ def test_one_pruner_at_a_time(ops: admin.Admin, database_url: str) -> None:
             assert not again
         assert rows(database_url, "SELECT count(*) FROM outbox.archive") == [(10,)]
     assert ops.archive_prune(timedelta(days=1)) == 10
+
+
+def test_a_lock_outlives_the_servers_idle_in_transaction_timeout(database_url: str) -> None:
+    # The lock's transaction sits idle while the work runs elsewhere: a server that ends idle
+    # transactions must not end this one (and let a second pruner in).
+    name = database_url.rsplit("/", 1)[1]
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f'ALTER DATABASE "{name}" SET idle_in_transaction_session_timeout = 100')
+    with pg.exclusive(database_url, "outbox", "prune", wait=False) as held:
+        assert held
+        time.sleep(0.5)  # five times the server's limit for a transaction left idle
+        with pg.exclusive(database_url, "outbox", "prune", wait=False) as again:
+            assert not again
 
 
 def test_a_pruner_of_the_previous_version_excludes_this_one_and_back(
