@@ -114,12 +114,19 @@ def local(
             export_partitions=PARTITIONS,
             report_dir=str(folder / "report"),
         )
+        before = ids(url)
         jobs.run(
             settings, ["export", "report", "prune"], cutoff=archive.cutoff, say=quiet, spark=spark
         )
-        return Outcome(contents(folder / "lake"), ids(url))
+        outcome = Outcome(contents(folder / "lake"), ids(url))
     finally:
         _admin(svc, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    # What the cluster's runs are held to: every row before the cutoff in the lake, and gone.
+    exported = sorted(row["id"] for row in outcome.lake["archive"][1])
+    assert exported == [i for i in before if i not in outcome.left]
+    # 1,500 old rows and the one at midnight; the 50 young ones stay; every dead row.
+    assert (len(exported), len(outcome.left), len(outcome.lake["dead"][1])) == (1501, 50, 40)
+    return outcome
 
 
 def quiet(_: str) -> None:
@@ -150,7 +157,9 @@ def contents(lake: Path) -> dict[str, Any]:
 def driver_env(url: str, **more: str) -> dict[str, str]:
     return clean_env(
         OUTBOX_DATABASE_URL=url,  # the environment, not the command line, as README says
-        SPARK_LOCAL_IP="127.0.0.1",  # the driver is where executors send results: 127.0.0.1
+        # The driver listens for its executors on 127.0.0.1, and tells them so.
+        SPARK_LOCAL_IP="127.0.0.1",
+        SPARK_LOCAL_HOSTNAME="127.0.0.1",
         PYSPARK_PYTHON=NO_PYTHON,
         TZ=ZONE,
         **more,
@@ -189,14 +198,17 @@ def ran_on(cluster: Cluster, before: set[str]) -> dict[str, Any]:
     return app
 
 
-def check(cluster: Cluster, result: subprocess.CompletedProcess[str], lake: Path) -> None:
+def check(
+    cluster: Cluster, result: subprocess.CompletedProcess[str], output: str, lake: Path
+) -> None:
+    """The run succeeded, and `output` (where its lines went) has a line per phase."""
     assert result.returncode == 0, result.stderr[-5000:]
-    lines = result.stderr.splitlines()
+    lines = output.splitlines()
     heads = [line for line in lines if line.startswith("spark ")]
-    assert len(heads) == 1, result.stderr[-5000:]
+    assert len(heads) == 1, output[-5000:]
     assert heads[0].endswith(f" on {cluster.url}, lake {lake}"), heads
     for step in ("export: ", "report: ", "prune: ", "done in "):
-        assert any(line.startswith(step) for line in lines), result.stderr[-5000:]
+        assert any(line.startswith(step) for line in lines), output[-5000:]
 
 
 def test_the_command_runs_the_pipeline_on_the_cluster(
@@ -213,7 +225,7 @@ def test_the_command_runs_the_pipeline_on_the_cluster(
         timeout=240,
         check=False,
     )
-    check(cluster, result, tmp_path / "lake")
+    check(cluster, result, result.stderr, tmp_path / "lake")
     # Its own lines and the JVM's notices only: the driver's logging is cut to errors.
     ours = ("spark 4.", "export", "report: ", "prune", "done in ", "Picked up", "WARNING: Using")
     assert all(line.startswith(ours) for line in result.stderr.splitlines()), result.stderr
@@ -244,7 +256,9 @@ def test_spark_submit_runs_the_pipeline_on_the_cluster(
         timeout=240,
         check=False,
     )
-    check(cluster, result, tmp_path / "lake")
+    # spark-submit runs the Python driver with its stderr into its own stdout (Spark's log is
+    # on its stderr).
+    check(cluster, result, result.stdout, tmp_path / "lake")
     ran_on(cluster, before)
     assert contents(tmp_path / "lake") == local.lake
     assert ids(copy) == local.left
