@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 from collections.abc import Mapping
 from typing import Annotated, Any, TypeVar
@@ -331,7 +332,13 @@ def _check_scheme(value: SecretStr, schemes: tuple[str, ...]) -> SecretStr:
         raise ValueError("not a valid URL") from None
     if scheme not in schemes:
         raise ValueError(f"must start with {' or '.join(s + '://' for s in schemes)}")
+    if _BAD_ESCAPE.search(raw):  # else the driver's error quotes the text around it: a password
+        raise ValueError("has a '%' that is not a %XX escape (write a '%' in a password as %25)")
     return value
+
+
+#: A '%' not followed by two hex digits: libpq refuses the URL, quoting its neighbourhood.
+_BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
 
 
 def env_name(field: str) -> str:

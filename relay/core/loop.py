@@ -282,7 +282,7 @@ class Relay:
             if self._stopping.is_set():
                 settlement = release(batch, "released unsent: the relay was stopping")
             else:
-                to_send, results, settlement = await self._publish(claim, batch)
+                to_send, results, settlement = await self._publish(claim, batch, ahead=chain)
             counts = await self._settle(claim.claim_id, settlement, chain=chain)
         finally:
             self.leases.drop(claim.claim_id)
@@ -290,7 +290,7 @@ class Relay:
         return policy.report(claim, claim_seconds, to_send, results, settlement, counts)
 
     async def _publish(
-        self, claim: model.Claim, batch: list[model.OutboxMessage]
+        self, claim: model.Claim, batch: list[model.OutboxMessage], *, ahead: bool
     ) -> tuple[list[model.OutboxMessage], list[model.PublishResult], model.Settlement]:
         """Publish what the claim still holds (renewing its lease first if little of it is left)
         and plan the settle; claim the next batch meanwhile if this one is full."""
@@ -309,7 +309,10 @@ class Relay:
         mine = [m for m in batch if m.id in held]
         exhausted = [m for m in mine if m.attempts > self._options.max_attempts]
         to_send = [m for m in mine if m.attempts <= self._options.max_attempts]
-        if self._options.prefetch and (len(batch) >= self._options.batch_size or claim.cut_short):
+        # Only the main path claims ahead, and one batch at a time: an orphan taken in the same
+        # cycle (a full batch of one) must not claim a second batch over the first.
+        full = len(batch) >= self._options.batch_size or claim.cut_short
+        if ahead and self._options.prefetch and full and not self.leases.claimed_ahead:
             self.leases.keep_ahead(asyncio.ensure_future(self._claim_now()))
         results: list[model.PublishResult] = []
         if to_send:

@@ -11,13 +11,15 @@ from uuid import UUID
 
 from relay.core import errors
 from relay.pipeline.lake import Table
-from relay.postgres import pg
+from relay.postgres import locks, pg
 from relay.postgres.pg import translate_errors
 
 
 class PipelineDatabase(pg.Session):
     """An autocommit session, open while the schema's pipeline lock is held (on a connection of
     its own)."""
+
+    _held: locks.Held
 
     @classmethod
     @contextmanager
@@ -26,13 +28,15 @@ class PipelineDatabase(pg.Session):
     ) -> Iterator[PipelineDatabase]:
         """Take the pipeline lock and open a session; RelayError if another run holds the lock.
         `pooled`: `conninfo` goes through a transaction-mode pooler (PgBouncer)."""
-        with pg.exclusive(conninfo, schema, "pipeline", wait=False, pooled=pooled) as held:
+        with locks.exclusive(conninfo, schema, "pipeline", wait=False, pooled=pooled) as held:
             if not held:
                 raise errors.RelayError(
                     f'another pipeline run holds schema "{schema}"; try again when it ends'
                 )
             with pg.session(conninfo, schema, "pipeline", pooled=pooled) as conn:
-                yield cls(conn, schema, conninfo, pooled=pooled)
+                db = cls(conn, schema, conninfo, pooled=pooled)
+                db._held = held
+                yield db
 
     def _one(self, query: Any, params: dict[str, Any]) -> tuple[Any, ...]:
         with translate_errors(self._schema):
@@ -43,6 +47,7 @@ class PipelineDatabase(pg.Session):
     def horizon(self, table: Table, cutoff: datetime, wait: float = 300.0) -> int:
         """The highest id of `table` older than `cutoff` such that no row with a smaller id can
         still appear: it waits until every transaction that was in progress has ended."""
+        self._held.check()  # each range begins here: never two runs at once
         query = (
             self._q.export_horizon_archive if table == "archive" else self._q.export_horizon_dead
         )
@@ -59,6 +64,7 @@ class PipelineDatabase(pg.Session):
 
     def prune_batch(self, lo: int, hi: int, n: int, ids: int, hashes: int) -> tuple[int, int]:
         """Delete archive rows lo < id <= hi if they match the lake's figures; (there, deleted)."""
+        self._held.check()
         params = {"lo": lo, "hi": hi, "n": n, "ids": ids, "hashes": hashes}
         there, deleted = self._one(self._q.pipeline_prune_batch, params)
         return int(there), int(deleted)

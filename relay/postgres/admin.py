@@ -18,7 +18,7 @@ from psycopg.rows import class_row
 
 from relay.core import errors, filters
 from relay.core.filters import DeadFilter
-from relay.postgres import pg
+from relay.postgres import locks, pg
 from relay.postgres.pg import translate_errors
 
 OnDead = Literal["block", "skip"]
@@ -320,13 +320,14 @@ class Admin(pg.Session):
         cutoff = datetime.now(UTC) - older_than
         stop = stop or threading.Event()
         _batch(batch)
-        with pg.exclusive(
+        with locks.exclusive(
             self._conninfo, self._schema, "prune", wait=False, pooled=self._pooled
         ) as held:
-            return self._prune(cutoff, batch, pause, progress, stop) if held else None
+            return self._prune(held, cutoff, batch, pause, progress, stop) if held else None
 
     def _prune(
         self,
+        held: locks.Held,
         cutoff: datetime,
         batch: int,
         pause: float,
@@ -335,6 +336,7 @@ class Admin(pg.Session):
     ) -> int:
         deleted = 0
         while True:
+            held.check()
             ((gone, younger),) = self._rows(
                 self._q.archive_prune_batch, {"batch": _batch(batch), "cutoff": cutoff}
             )

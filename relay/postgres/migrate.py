@@ -14,7 +14,7 @@ import psycopg
 import psycopg.errors
 
 from relay.core import errors, values
-from relay.postgres import pg, roles, sql
+from relay.postgres import locks, pg, roles, sql
 
 _FILE = re.compile(r"(\d{4})_(\w+)\.sql")
 
@@ -80,10 +80,10 @@ def migrate(
     q = sql.load(schema)
     try:
         with (
-            pg.exclusive(conninfo, schema, "migrate", wait=True, pooled=pooled),
+            locks.exclusive(conninfo, schema, "migrate", wait=True, pooled=pooled) as held,
             psycopg.connect(conninfo, autocommit=True, **pg.options(pooled)) as conn,
         ):
-            result = _apply(conn, q, todo)
+            result = _apply(conn, q, todo, held)
             conn.execute(q.revoke_public_execute)
             roles.refresh(conn, schema)  # grant new objects to the roles, if set up
             return result
@@ -91,7 +91,9 @@ def migrate(
         raise errors.DatabaseUnavailable(f"PostgreSQL unavailable: {pg.first_line(exc)}") from exc
 
 
-def _apply(conn: psycopg.Connection[Any], q: sql.Queries, todo: list[Migration]) -> Result:
+def _apply(
+    conn: psycopg.Connection[Any], q: sql.Queries, todo: list[Migration], held: locks.Held
+) -> Result:
     conn.execute(q.create_schema)
     conn.execute(q.create_migrations_table)
     applied = {int(v): str(c) for v, _, c in conn.execute(q.applied_migrations).fetchall()}
@@ -103,6 +105,7 @@ def _apply(conn: psycopg.Connection[Any], q: sql.Queries, todo: list[Migration])
             )
     pending = [m for m in todo if m.version not in applied]
     for migration in pending:
+        held.check()  # never two migrates at once, even if this one lost its lock
         _apply_one(conn, q, migration)
     version = max([*applied, *(m.version for m in pending)], default=0)
     return Result(tuple(pending), version)

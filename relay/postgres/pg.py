@@ -79,26 +79,6 @@ def session(
         yield conn
 
 
-@contextlib.contextmanager
-def exclusive(
-    conninfo: str, schema: str, what: str, *, wait: bool, pooled: bool = False
-) -> Iterator[bool]:
-    """Hold the schema's lock for `what` (migrate, prune, pipeline) while the block runs: yields
-    whether it is held (always, with `wait`, once the holder before lets go). A transaction-
-    scoped lock, in a transaction left open on a connection of its own (queries/locks.sql), so it
-    excludes through a transaction-mode pooler too; the block does its work on other
-    connections. DatabaseUnavailable if the database cannot be reached."""
-    q = sql.load(schema)
-    name = {"name": f"{APPLICATION_NAME} {what} {schema}"}
-    with (
-        session(conninfo, schema, f"{what} lock", pooled=pooled) as conn,
-        translate_errors(schema),
-        conn.transaction(),
-    ):
-        row = conn.execute(q.wait_for_lock if wait else q.try_lock, name).fetchone()
-        yield bool(row and (wait or row[0]))
-
-
 def first_line(exc: BaseException) -> str:
     """The first line of an error's text (libpq's messages run over several)."""
     text = str(exc).strip() or type(exc).__name__

@@ -68,8 +68,10 @@ class Queries:
     archive_stats: LiteralString
     archive_exact_count: LiteralString
     archive_count_older: LiteralString
-    wait_for_lock: LiteralString
     try_lock: LiteralString
+    lock_no_transaction_timeout: LiteralString
+    lock_holder: LiteralString
+    lock_alive: LiteralString
     export_horizon_archive: LiteralString
     export_horizon_dead: LiteralString
     snapshot_settled: LiteralString

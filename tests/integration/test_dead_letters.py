@@ -22,7 +22,7 @@ from relay.core import config, errors
 from relay.core.filters import DeadFilter
 from relay.ops import metrics
 from relay.ops.retention import Pruner
-from relay.postgres import admin, pg
+from relay.postgres import admin, locks
 from tests.support.amqp import Broker
 from tests.support.inprocess import enqueue, query, running, settings_for, wait_for_count
 from tests.support.wait import until_async
@@ -435,10 +435,10 @@ OLD_PRUNE_LOCK = "SELECT pg_try_advisory_lock(hashtextextended('outbox-relay pru
 
 def test_one_pruner_at_a_time(ops: admin.Admin, database_url: str) -> None:
     archive(database_url, 10, timedelta(days=10))
-    with pg.exclusive(database_url, "outbox", "prune", wait=False) as held:
+    with locks.exclusive(database_url, "outbox", "prune", wait=False) as held:
         assert held
         assert ops.archive_prune(timedelta(days=1)) is None
-        with pg.exclusive(database_url, "outbox", "prune", wait=False) as again:
+        with locks.exclusive(database_url, "outbox", "prune", wait=False) as again:
             assert not again
         assert rows(database_url, "SELECT count(*) FROM outbox.archive") == [(10,)]
     assert ops.archive_prune(timedelta(days=1)) == 10
@@ -450,10 +450,10 @@ def test_a_lock_outlives_the_servers_idle_in_transaction_timeout(database_url: s
     name = database_url.rsplit("/", 1)[1]
     with psycopg.connect(database_url, autocommit=True) as conn:
         conn.execute(f'ALTER DATABASE "{name}" SET idle_in_transaction_session_timeout = 100')
-    with pg.exclusive(database_url, "outbox", "prune", wait=False) as held:
+    with locks.exclusive(database_url, "outbox", "prune", wait=False) as held:
         assert held
         time.sleep(0.5)  # five times the server's limit for a transaction left idle
-        with pg.exclusive(database_url, "outbox", "prune", wait=False) as again:
+        with locks.exclusive(database_url, "outbox", "prune", wait=False) as again:
             assert not again
 
 
@@ -465,7 +465,7 @@ def test_a_pruner_of_the_previous_version_excludes_this_one_and_back(
         assert old.execute(OLD_PRUNE_LOCK).fetchone() == (True,)
         assert ops.archive_prune(timedelta(days=1)) is None
         old.execute("SELECT pg_advisory_unlock_all()")
-        with pg.exclusive(database_url, "outbox", "prune", wait=False) as held:
+        with locks.exclusive(database_url, "outbox", "prune", wait=False) as held:
             assert held
             assert old.execute(OLD_PRUNE_LOCK).fetchone() == (False,)
     assert ops.archive_prune(timedelta(days=1)) == 10
@@ -520,7 +520,7 @@ async def test_the_relays_pruner_counts_what_it_did(database_url: str) -> None:
 
     pruner = Pruner(prune, 3600, counters)
     assert await pruner.run_once() == 1200
-    with pg.exclusive(database_url, "outbox", "prune", wait=False):
+    with locks.exclusive(database_url, "outbox", "prune", wait=False):
         assert await pruner.run_once() is None
 
     def broken(stop: threading.Event) -> int | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -14,6 +15,7 @@ import pytest
 from psycopg import sql
 
 from relay.core import model
+from relay.postgres import admin, locks
 from tests.integration.test_ready_lane import enqueue, store
 from tests.support.processes import assert_one_line_error, clean_env, run_cli
 
@@ -125,3 +127,18 @@ async def test_lane_off_refuses_to_vouch_for_a_session_that_hides_its_transactio
         await hidden.execute("SELECT 1")
         result = run_cli("lane", "off", env=clean_env(OUTBOX_DATABASE_URL=database_url))
     assert_one_line_error(result, 2, "cannot see the transactions of 1 session(s)")
+
+
+def test_lane_off_does_not_wait_for_a_lock_holder_but_for_a_producer(database_url: str) -> None:
+    # A pruner's lock sits in a transaction for the whole run, with no xid and no snapshot: it has
+    # written nothing and would see the switch; a producer that began before it must be waited for.
+    since = datetime.now(UTC)
+    with (
+        locks.exclusive(database_url, "outbox", "prune", wait=False) as held,
+        admin.Admin.connect(database_url) as ops,
+    ):
+        assert held
+        assert ops.transactions_since(since + timedelta(seconds=5))[0] == 0
+        with psycopg.connect(database_url) as producer:
+            producer.execute("SELECT 1")  # a transaction open from before the switch
+            assert ops.transactions_since(since + timedelta(seconds=5))[0] == 1

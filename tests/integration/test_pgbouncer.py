@@ -7,6 +7,7 @@ exclude through it, where session-level advisory locks would not."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ import relay
 from relay.core import errors
 from relay.core.filters import DeadFilter
 from relay.pipeline.database import PipelineDatabase
-from relay.postgres import admin, migrate, pg
+from relay.postgres import admin, locks, migrate
 from relay.postgres.store import PgStore
 from tests.integration.test_dead_letters import archive, insert_dead
 from tests.support.amqp import Broker
@@ -136,7 +137,7 @@ async def test_the_relay_refuses_role_settings_it_cannot_override(
 def test_one_pruner_at_a_time_through_it(bouncer: str, database_url: str) -> None:
     archive(database_url, 10, timedelta(days=10))
     with (
-        pg.exclusive(bouncer, "outbox", "prune", wait=False, pooled=True) as held,
+        locks.exclusive(bouncer, "outbox", "prune", wait=False, pooled=True) as held,
         admin.Admin.connect(bouncer, pooled=True) as ops,
     ):
         assert held
@@ -157,16 +158,16 @@ def test_one_pipeline_run_at_a_time_through_it(bouncer: str) -> None:
         pass  # free again
 
 
-WAITING_FOR_THE_LOCK = (
-    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-    " AND application_name = 'outbox-relay migrate lock' AND wait_event_type = 'Lock'"
-)
-
-
-def test_migrate_through_it_one_at_a_time(empty_database_url: str) -> None:
-    with pgbouncer(empty_database_url) as url:
+def test_migrate_through_it_one_at_a_time(
+    empty_database_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Waiters try again in short transactions (so they pin no pooled connection) and soon say
+    # who holds the lock they wait for.
+    monkeypatch.setattr(locks, "SAY_WHO_AFTER", 0.2)
+    caplog.set_level(logging.WARNING, logger="relay.locks")
+    with pgbouncer(empty_database_url, pool_size=3) as url:
         results: list[Any] = []
-        with pg.exclusive(url, "outbox", "migrate", wait=True, pooled=True):
+        with locks.exclusive(url, "outbox", "migrate", wait=True, pooled=True):
             racing = [
                 threading.Thread(
                     target=lambda: results.append(migrate.migrate(url, "outbox", pooled=True))
@@ -176,9 +177,10 @@ def test_migrate_through_it_one_at_a_time(empty_database_url: str) -> None:
             for thread in racing:
                 thread.start()
             until(
-                lambda: count(empty_database_url, WAITING_FOR_THE_LOCK) == 2,
-                message="both migrates waiting for the lock",
+                lambda: caplog.text.count("waiting for the migrate lock, held by pid") == 2,
+                message="both migrates waiting for the lock, naming its holder",
             )
+            assert "outbox-relay migrate lock" in caplog.text
             assert results == []
         for thread in racing:
             thread.join(60)

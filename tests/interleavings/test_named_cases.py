@@ -392,3 +392,31 @@ def test_a_relay_stopping_while_its_claim_ahead_is_in_flight_gives_that_batch_ba
     # Sent by the others (the drain's), in order, each at its first attempt: a sent none of them.
     assert [(seq, attempt) for seq, attempt, _ in sent(world, "k")] == [(1, 1), (2, 1), (3, 1)]
     assert all(relay != a.name for _, _, relay in sent(world, "k"))
+
+
+def test_an_orphan_taken_while_a_batch_of_one_is_claimed_ahead_claims_no_second(
+    database_url: str,
+) -> None:
+    # With batches of one, every batch is full, so the relay claims the next one while it
+    # publishes. An orphan taken in the same cycle is a full batch of one too: it must not claim
+    # a second batch ahead over the first (which crashed the relay, or left the first held and
+    # renewed for ever, neither sent nor given back).
+    reset(database_url)
+    world = World(database_url)
+    try:
+        dying = world.start_relay(batch_size=1)
+        world.commit_now(None)
+        world.until(dying, "publish")  # it holds the row, and dies with it
+        world.crash(dying)
+        world.advance(LEASE * 1.1)  # an orphan now
+        world.commit_now(None, None, None)
+        a = world.start_relay(batch_size=1)
+        for _ in range(60):  # a's cycles: a batch of one, the one claimed ahead, the orphan…
+            if not a.pending:
+                break
+            world.grant(a.pending[0], "ack")
+        assert not a.task.done(), "the relay's loop ended"
+        assert world.finish() == []
+        assert len({s.message_id for s in world.ledger.sends}) == 4
+    finally:
+        world.close()

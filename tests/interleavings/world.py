@@ -261,7 +261,9 @@ class GatedBroker:
 class RelayActor:
     """One relay: the real loop, cycling `run_once()` for ever, every call gated."""
 
-    def __init__(self, world: World, name: str, *, auto: bool = False) -> None:
+    def __init__(
+        self, world: World, name: str, *, auto: bool = False, batch_size: int | None = None
+    ) -> None:
         self.world = world
         self.name = name
         self.auto = auto  # grant everything at once and acknowledge every publish (the drain)
@@ -271,6 +273,8 @@ class RelayActor:
         self.claims: set[UUID] = set()
         self.store = GatedStore(self)
         options = dataclasses.replace(OPTIONS, batch_size=100) if auto else OPTIONS
+        if batch_size is not None:
+            options = dataclasses.replace(options, batch_size=batch_size)
         self.relay = loop.Relay(self.store, GatedBroker(self), options, clock=world.clock)
         self.beating: asyncio.Task[Any] | None = None
         self.cycles = 0  # run_once calls completed
@@ -398,8 +402,8 @@ class World:
 
     # -- relays ----------------------------------------------------------------------------
 
-    def start_relay(self, *, auto: bool = False) -> RelayActor:
-        actor = RelayActor(self, f"relay-{next(self._names)}", auto=auto)
+    def start_relay(self, *, auto: bool = False, batch_size: int | None = None) -> RelayActor:
+        actor = RelayActor(self, f"relay-{next(self._names)}", auto=auto, batch_size=batch_size)
         self.relays.append(actor)
         self.run(self._quiet())
         return actor

@@ -183,3 +183,13 @@ def test_every_relay_setting_is_a_flag_of_run() -> None:
     from relay.console import options as base
 
     assert set(base.CONNECTION) | set(base.RELAY_KNOBS) == set(config.Settings.model_fields)
+
+
+@pytest.mark.parametrize("field", ["database_url", "listen_url"])
+def test_a_url_libpq_would_refuse_by_quoting_its_password_is_refused_without_it(
+    field: str,
+) -> None:
+    with pytest.raises(errors.ConfigError, match="not a %XX escape") as refused:
+        config.load(**{field: "postgresql://app:s3cr%zzet@db/app"})
+    assert "s3cr" not in str(refused.value)
+    assert config.load(**{field: "postgresql://app:s3cr%25et@db/app"})  # a % written as %25
