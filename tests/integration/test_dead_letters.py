@@ -457,6 +457,26 @@ def test_a_lock_outlives_the_servers_idle_in_transaction_timeout(database_url: s
             assert not again
 
 
+def test_a_pruner_whose_lock_is_lost_stops_before_its_next_batch(
+    ops: admin.Admin, database_url: str
+) -> None:
+    # A DBA's script ends sessions idle in a transaction: the lock goes with the holder, and the
+    # pruner must not go on beside whichever pruner takes it next.
+    archive(database_url, 30, timedelta(days=10))
+
+    def end_the_holder(_: int) -> None:
+        with psycopg.connect(database_url, autocommit=True) as dba:
+            dba.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE application_name = 'outbox-relay prune lock'"
+            )
+
+    with pytest.raises(errors.RelayError, match="lost the prune lock"):
+        ops.archive_prune(timedelta(days=1), batch=10, pause=0, progress=end_the_holder)
+    assert rows(database_url, "SELECT count(*) FROM outbox.archive") == [(20,)]  # one batch
+    assert ops.archive_prune(timedelta(days=1)) == 20  # and a new run finishes the job
+
+
 def test_a_pruner_of_the_previous_version_excludes_this_one_and_back(
     ops: admin.Admin, database_url: str
 ) -> None:
