@@ -129,7 +129,9 @@ async def test_lane_off_refuses_to_vouch_for_a_session_that_hides_its_transactio
     assert_one_line_error(result, 2, "cannot see the transactions of 1 session(s)")
 
 
-def test_lane_off_does_not_wait_for_a_lock_holder_but_for_a_producer(database_url: str) -> None:
+async def test_lane_off_does_not_wait_for_a_lock_holder_but_for_a_producer(
+    database_url: str,
+) -> None:
     # A pruner's lock sits in a transaction for the whole run, with no xid and no snapshot: it has
     # written nothing and would see the switch; a producer that began before it must be waited for.
     since = datetime.now(UTC)

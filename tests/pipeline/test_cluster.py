@@ -216,23 +216,12 @@ def test_the_command_runs_the_pipeline_on_the_cluster(
 ) -> None:
     before = set(cluster.applications())
     command = [sys.executable, "-m", "relay", "pipeline", "all", "--spark-master", cluster.url]
-    result = subprocess.run(
-        [*command, *flags(archive, tmp_path), "--conf", SHUFFLE],
-        env=driver_env(copy),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    result = _run([*command, *flags(archive, tmp_path), "--conf", SHUFFLE], driver_env(copy))
     check(cluster, result, result.stderr, tmp_path / "lake")
     # Its own lines and the JVM's notices only: the driver's logging is cut to errors.
     ours = ("spark 4.", "export", "report: ", "prune", "done in ", "Picked up", "WARNING: Using")
     assert all(line.startswith(ours) for line in result.stderr.splitlines()), result.stderr
-    ran_on(cluster, before)
-    assert contents(tmp_path / "lake") == local.lake
-    assert ids(copy) == local.left
-    assert (tmp_path / "report" / "report.md").is_file()
+    _same_as_local(cluster, before, copy, local, tmp_path)
 
 
 def test_spark_submit_runs_the_pipeline_on_the_cluster(
@@ -241,7 +230,7 @@ def test_spark_submit_runs_the_pipeline_on_the_cluster(
     before = set(cluster.applications())
     entry = Path(submit.__file__)  # relay/pipeline/submit.py, as README finds it
     options = ["--master", cluster.url, "--jars", JAR, "--conf", SHUFFLE]
-    result = subprocess.run(
+    result = _run(
         [
             str(SPARK_HOME / "bin" / "spark-submit"),
             *options,
@@ -249,16 +238,30 @@ def test_spark_submit_runs_the_pipeline_on_the_cluster(
             "all",
             *flags(archive, tmp_path),
         ],
-        env=driver_env(copy, SPARK_HOME=str(SPARK_HOME), PYSPARK_DRIVER_PYTHON=sys.executable),
+        driver_env(copy, SPARK_HOME=str(SPARK_HOME), PYSPARK_DRIVER_PYTHON=sys.executable),
+    )
+    # spark-submit runs the Python driver with its stderr into its own stdout (Spark's log is
+    # on its stderr).
+    check(cluster, result, result.stdout, tmp_path / "lake")
+    _same_as_local(cluster, before, copy, local, tmp_path)
+
+
+def _run(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(  # our own command lines
+        command,
+        env=env,
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
         timeout=240,
         check=False,
     )
-    # spark-submit runs the Python driver with its stderr into its own stdout (Spark's log is
-    # on its stderr).
-    check(cluster, result, result.stdout, tmp_path / "lake")
+
+
+def _same_as_local(
+    cluster: Cluster, before: set[str], copy: str, local: Outcome, tmp_path: Path
+) -> None:
+    """One application ran on the cluster, and left what the local run left."""
     ran_on(cluster, before)
     assert contents(tmp_path / "lake") == local.lake
     assert ids(copy) == local.left
