@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import UTC, date, datetime, timedelta
+from types import ModuleType
 from typing import Any, TypeVar
 
 import click
@@ -106,6 +107,104 @@ def all_command(
     _run(phases, flags, cutoff=_cutoff(older_than, until), since=_day(since), conf=conf)
 
 
+@pipeline.command(name="replay")
+@click.option(
+    "--since", default=None, metavar="WHEN", help="Published at or after: a time, or 90d ago."
+)
+@click.option("--until", default=None, metavar="WHEN", help="Published before: the same.")
+@click.option("--exchange", default=None, help="Their exchange, exactly.")
+@click.option("--routing-key", default=None, metavar="GLOB", help="Their routing key (* and ?).")
+@click.option("--key", default=None, metavar="GLOB", help="Their ordering key (* and ?).")
+@click.option("--to-exchange", default=None, help="Send them to this exchange instead.")
+@click.option("--to-routing-key", default=None, help="Send them with this routing key instead.")
+@click.option(
+    "--name",
+    default=None,
+    metavar="NAME",
+    help="The replay's name (default: one made from these options): run again, it continues.",
+)
+@click.option(
+    "--rate",
+    default=1000.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="At most this many messages a second, so live traffic keeps its share.",
+)
+@click.option(
+    "--batch",
+    default=500,
+    show_default=True,
+    type=click.IntRange(min=1, max=10_000),
+    help="Messages per transaction (the relays' batch size suits).",
+)
+@click.option(
+    "--dry-run", is_flag=True, help="Count what would be replayed, per route; send nothing."
+)
+@settings_options(*SPARK)
+@spark_conf
+@fail_cleanly
+def replay_command(
+    since: str | None,
+    until: str | None,
+    exchange: str | None,
+    routing_key: str | None,
+    key: str | None,
+    to_exchange: str | None,
+    to_routing_key: str | None,
+    name: str | None,
+    rate: float,
+    batch: int,
+    dry_run: bool,
+    conf: tuple[str, ...],
+    **flags: Any,
+) -> None:
+    """Put archived messages from the lake back in the outbox, to be sent again.
+
+    Each gets a new message_id (the same each time this replay runs) and the headers x-replay,
+    x-replay-of (the original message_id), x-replay-published-at, x-replay-exchange and
+    x-replay-routing-key; messages of an ordering key keep their order, behind the key's live
+    ones. Only days the time bounds allow are read. Batches are transactions: run the same command
+    again and it continues where it stopped, adding nothing twice."""
+    from relay.core import config
+
+    given = {
+        "since": since,
+        "until": until,
+        "exchange": exchange,
+        "routing_key": routing_key,
+        "key": key,
+        "to_exchange": to_exchange,
+        "to_routing_key": to_routing_key,
+    }
+    settings = config.load_pipeline(**flags)
+    jobs = _jobs()
+    from relay.console import output
+    from relay.pipeline import replay
+
+    now = datetime.now(UTC)
+    selection = replay.Selection(
+        since=None if since is None else when(since, now),
+        until=when(until, now) if until is not None else now,
+        exchange=exchange,
+        routing_key=routing_key,
+        key=key,
+        to_exchange=to_exchange,
+        to_routing_key=to_routing_key,
+    )
+    jobs.replay_lake(
+        settings,
+        selection,
+        name=name,
+        given=given,
+        rate=rate,
+        batch=batch,
+        dry_run=dry_run,
+        conf=dict(_pair(item) for item in conf),
+        say=lambda line: click.echo(line, err=True),
+        bar=lambda total: output.progress("replaying", total),
+    )
+
+
 def _run(
     phases: Sequence[Any],
     flags: dict[str, Any],
@@ -118,14 +217,7 @@ def _run(
 
     settings = config.load_pipeline(**flags)
     spark_settings = dict(_pair(item) for item in conf)
-    try:
-        from relay.pipeline import jobs  # pyspark loads here, and only here
-    except ImportError as exc:
-        raise errors.ConfigError(
-            f"the pipeline needs the spark extra ({exc.name} is missing): "
-            "pip install 'outbox-relay[spark]'"
-        ) from None
-    jobs.run(
+    _jobs().run(
         settings,
         phases,
         cutoff=cutoff or datetime.now(UTC),
@@ -133,6 +225,17 @@ def _run(
         conf=spark_settings,
         say=lambda line: click.echo(line, err=True),
     )
+
+
+def _jobs() -> ModuleType:
+    try:
+        from relay.pipeline import jobs  # pyspark loads here, and only here
+    except ImportError as exc:
+        raise errors.ConfigError(
+            f"the pipeline needs the spark extra ({exc.name} is missing): "
+            "pip install 'outbox-relay[spark]'"
+        ) from None
+    return jobs
 
 
 def _cutoff(older_than: str, until: str | None) -> datetime:

@@ -1,13 +1,18 @@
-"""The pipeline's PostgreSQL side: one run at a time, the export horizon, and verified deletes."""
+"""The pipeline's PostgreSQL side: one run at a time, the export horizon, verified deletes, and
+replays' batches with their positions."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 from uuid import UUID
+
+import psycopg.errors
+from psycopg.types.json import Jsonb
 
 from relay.core import errors
 from relay.pipeline.lake import Table
@@ -74,3 +79,83 @@ class PipelineDatabase(pg.Session):
         params = {"ids": list(ids), "message_ids": [str(m) for m in message_ids]}
         with translate_errors(self._schema):
             return self._conn.execute(self._q.pipeline_prune_rows, params).rowcount
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayState:
+    """A replay's row: the last lake id it enqueued, how many messages, what it selects."""
+
+    position: int
+    enqueued: int
+    selection: dict[str, Any]
+    started_at: datetime
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One batch of a replay: the lake ids after < id <= last, and the messages they become."""
+
+    after: int
+    last: int
+    exchanges: list[str]
+    routing_keys: list[str]
+    bodies: list[bytes]
+    headers: list[Jsonb]
+    properties: list[Jsonb]
+    ordering_keys: list[str | None]
+    message_ids: list[UUID]
+
+
+class ReplayDatabase(pg.Session):
+    """An autocommit session for replays from the lake. It takes no pipeline lock (a replay runs
+    for as long as its rate makes it, beside exports and prunes); each replay's position fences
+    its batches instead."""
+
+    @classmethod
+    @contextmanager
+    def connect(
+        cls, conninfo: str, schema: str, *, pooled: bool = False
+    ) -> Iterator[ReplayDatabase]:
+        with pg.session(conninfo, schema, "replay", pooled=pooled) as conn:
+            yield cls(conn, schema, conninfo, pooled=pooled)
+
+    def find(self, name: str) -> ReplayState | None:
+        """The replay called `name`, if it was ever started."""
+        with _replay_errors(self._schema):
+            row = self._conn.execute(self._q.replay_find, {"name": name}).fetchone()
+        return None if row is None else ReplayState(*row)
+
+    def start(self, name: str, selection: dict[str, Any]) -> ReplayState:
+        """The replay called `name`, started with `selection` unless it exists already."""
+        params = {"name": name, "selection": Jsonb(selection)}
+        with _replay_errors(self._schema):
+            row = self._conn.execute(self._q.replay_start, params).fetchone()
+        assert row is not None  # start_replay returns the row it found or made
+        return ReplayState(*row)
+
+    def enqueue(self, name: str, batch: Batch) -> int:
+        """Enqueue `batch` and move the replay's position to its end, in one transaction;
+        RelayError if the position is no longer `batch.after` (another run of it is going)."""
+        params = {"name": name, **dataclasses.asdict(batch)}
+        with _replay_errors(self._schema):
+            row = self._conn.execute(self._q.replay_batch, params).fetchone()
+        assert row is not None
+        return int(row[0])
+
+
+@contextmanager
+def _replay_errors(schema: str) -> Iterator[None]:
+    with translate_errors(schema):
+        try:
+            yield
+        except psycopg.errors.ObjectInUse as exc:
+            raise errors.RelayError(
+                f"{exc.diag.message_primary}; when it ends, run this replay again to continue"
+            ) from None
+        except psycopg.errors.InvalidParameterValue as exc:
+            raise errors.InvalidArgument(exc.diag.message_primary or str(exc)) from None
+        except psycopg.errors.UniqueViolation as exc:
+            raise errors.RelayError(
+                f"{exc.diag.message_primary}: a message of this replay is still waiting in the "
+                "outbox although the replay's position is behind it"
+            ) from None

@@ -1,19 +1,22 @@
-"""Pipeline runs: export, report and prune over one Spark session, with a line per phase."""
+"""Pipeline runs: export, report and prune over one Spark session, with a line per phase; and
+replays from the lake."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from datetime import date, datetime
 from pathlib import Path
 from typing import Literal
 
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 
-from relay.core import config, render
-from relay.pipeline import charts, report, session
-from relay.pipeline.database import PipelineDatabase
+from relay.core import config, errors, render
+from relay.pipeline import charts, replay, report, session
+from relay.pipeline.database import PipelineDatabase, ReplayDatabase, ReplayState
 from relay.pipeline.export import Source, export
 from relay.pipeline.prune import prune
 
@@ -79,3 +82,98 @@ def _database(
         url, settings.db_schema, pooled=settings.transaction_pooler
     ) as db:
         yield db
+
+
+def _no_bar(total: int) -> AbstractContextManager[replay.Progress]:
+    return contextlib.nullcontext(lambda _: None)
+
+
+def replay_lake(
+    settings: config.PipelineSettings,
+    selection: replay.Selection,
+    *,
+    name: str | None = None,
+    given: Mapping[str, object] | None = None,
+    rate: float = 1000.0,
+    batch: int = 500,
+    dry_run: bool = False,
+    conf: Mapping[str, str] | None = None,
+    say: Say = print,
+    bar: Callable[[int], AbstractContextManager[replay.Progress]] = _no_bar,
+    spark: SparkSession | None = None,
+) -> int:
+    """Replay the lake's archived messages `selection` takes into the outbox (docs: README,
+    "Replaying history from the lake"); the number enqueued by this run (a dry run: selected).
+
+    A replay is known by `name` (default: from `given`, the options as the caller was given them,
+    else from `selection`): run again, it goes on from its last batch, with the selection of its
+    first run, and adds nothing it added before. `given` must then be what it was."""
+    given = dict(given) if given is not None else selection.document()
+    name = name or replay.default_name(given)
+    running = session.spark_session(settings, conf) if spark is None else session.borrowed(spark)
+    url = settings.database_url.get_secret_value()
+    with (
+        running as spark,
+        ReplayDatabase.connect(url, settings.db_schema, pooled=settings.transaction_pooler) as db,
+    ):
+        lake = session.lake_path(settings)
+        state = db.find(name)
+        if state is not None:
+            if state.selection.get("given") != json_safe(given):
+                raise errors.InvalidArgument(
+                    f"replay {name} was started with other options "
+                    f"({state.selection.get('given')}); give this one another --name"
+                )
+            selection = replay.Selection.from_document(state.selection["selection"])
+        after = state.position if state is not None else 0
+        data = replay.selected(spark, lake, selection, after)
+        if dry_run:
+            return _dry_run(name, selection, state, data, say)
+        state = db.start(name, {"selection": selection.document(), "given": json_safe(given)})
+        total = 0 if data is None else data.count()
+        done = f" ({state.enqueued:,} enqueued before)" if state.enqueued else ""
+        say(f"replay {name}: {render.count(total, 'message')} to go{done}{selection.target()}")
+        if data is None or total == 0:
+            return 0
+        started = time.monotonic()
+        with bar(total) as advance:
+            enqueued = replay.replay(
+                data,
+                db,
+                name,
+                selection,
+                after=state.position,
+                rate=rate,
+                batch=batch,
+                progress=advance,
+            )
+        say(
+            f"replay {name}: {render.count(enqueued, 'message')} enqueued "
+            f"in {time.monotonic() - started:.1f}s"
+        )
+        return enqueued
+
+
+def json_safe(given: Mapping[str, object]) -> dict[str, object]:
+    """`given` as it comes back from a jsonb column."""
+    loaded: dict[str, object] = json.loads(json.dumps(dict(given), default=str))
+    return loaded
+
+
+def _dry_run(
+    name: str,
+    selection: replay.Selection,
+    state: ReplayState | None,
+    data: DataFrame | None,
+    say: Say,
+) -> int:
+    found = [] if data is None else replay.routes(data)
+    total = sum(r.messages for r in found)
+    before = f"; {state.enqueued:,} enqueued by earlier runs" if state is not None else ""
+    say(f"replay {name} (dry run): {render.count(total, 'message')} to go{before}")
+    for r in found:
+        say(
+            f"  {r.messages:>10,}  {r.exchange} {r.routing_key}{selection.target()}  "
+            f"{r.first:%Y-%m-%d %H:%M:%S} … {r.last:%Y-%m-%d %H:%M:%S}"
+        )
+    return total

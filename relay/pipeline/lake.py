@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.types import StructType
 
 Table = Literal["archive", "dead"]
 TABLES: tuple[Table, ...] = ("archive", "dead")
@@ -92,11 +93,16 @@ class Manifest:
         return loaded
 
 
-def read(spark: SparkSession, path: str, id_range: str | None = None) -> DataFrame | None:
+def read(
+    spark: SparkSession, path: str, id_range: str | None = None, schema: StructType | None = None
+) -> DataFrame | None:
     """The Parquet dataset at `path` (only the files of `id_range`, if given), or None if nothing
     was written there. The pipeline reads only columns every version of the tables had, so it
-    does not merge the schemas of older and newer files (which would read every file's footer)."""
+    does not merge the schemas of older and newer files (which would read every file's footer);
+    given `schema`, it reads no footer to find one."""
     reader = spark.read.option("basePath", path)
+    if schema is not None:
+        reader = reader.schema(schema)
     try:
         if id_range is not None:
             return reader.parquet(f"{path}/day=*/id_range={id_range}")

@@ -53,8 +53,9 @@ GRANT EXECUTE ON FUNCTION
 TO {relay};
 
 -- Operators: the CLI's dead-letter, archive, keys and stats commands and the data pipeline:
--- read everything, purge dead rows, prune the archive, set key policies; replay and release keys
--- only through the functions that do it in order (they run as the owner, migration 0008). No
+-- read everything, purge dead rows, prune the archive, set key policies; replay dead rows or the
+-- lake's archive and release keys only through the functions that do it in order (they run as
+-- the owner, migrations 0008 and 0021). No
 -- write to a waiting message, no change to settings, no DDL. UPDATE of dead.detail is there only
 -- because replay and purge lock their batch with FOR UPDATE, which asks for it.
 GRANT SELECT ON ALL TABLES IN SCHEMA {schema} TO {operator};
@@ -67,5 +68,8 @@ GRANT EXECUTE ON FUNCTION
     {schema}.replay_dead(bigint[], text, text),
     {schema}.release_key(text, boolean),
     {schema}.key_policy(text),
-    {schema}.lane_gauges()
+    {schema}.lane_gauges(),
+    {schema}.start_replay(text, jsonb),
+    {schema}.replay_batch(text, bigint, bigint, text[], text[], bytea[], jsonb[], jsonb[], text[],
+                          uuid[])
 TO {operator};

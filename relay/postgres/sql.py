@@ -77,6 +77,9 @@ class Queries:
     snapshot_settled: LiteralString
     pipeline_prune_batch: LiteralString
     pipeline_prune_rows: LiteralString
+    replay_start: LiteralString
+    replay_find: LiteralString
+    replay_batch: LiteralString
 
 
 def parse(text: str) -> dict[str, str]:

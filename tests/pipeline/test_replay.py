@@ -1,0 +1,433 @@
+"""Replays from the lake against real PostgreSQL, RabbitMQ and a local Spark: a selection comes
+back through the broker exactly, with its provenance and in per-key order; a replay killed mid-way
+and run again adds each message once; and the orders of events around a replay's position."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from collections import defaultdict
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.types.json import Jsonb
+from pyspark.sql import SparkSession
+
+from relay.core import config, errors
+from relay.pipeline import jobs, replay
+from relay.pipeline.database import Batch, PipelineDatabase, ReplayDatabase
+from relay.pipeline.export import Source, export
+from tests.support import amqp, inprocess
+from tests.support.processes import clean_env
+from tests.support.wait import until
+
+#: The archive the tests replay: 6 days of messages, ending two days ago.
+DAYS = 6
+PER_DAY = 120
+END = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0) - timedelta(days=2)
+START = END - timedelta(days=DAYS)
+
+
+def rows(url: str, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+    with psycopg.connect(url) as conn:
+        return conn.execute(sql, args).fetchall()
+
+
+def quiet(_: str) -> None:
+    pass
+
+
+@pytest.fixture
+def archived(spark: SparkSession, database_url: str, lake: str) -> list[dict[str, Any]]:
+    """Archive DAYS days of messages (four ordering keys among them, some with headers), export
+    them to the lake, and delete them from PostgreSQL: the lake is the only copy. Returns the
+    rows as they were, in id order."""
+    with psycopg.connect(database_url) as conn:
+        conn.execute(
+            "INSERT INTO outbox.archive (message_id, exchange, routing_key, body, headers,"
+            " properties, ordering_key, attempts, created_at, published_at)"
+            " SELECT gen_random_uuid(), (ARRAY['orders', 'orders', 'billing'])[1 + i %% 3],"
+            "        (ARRAY['order.created', 'order.paid', 'invoice.sent', 'order.paid.late'])"
+            "          [1 + i %% 4],"
+            "        convert_to('{\"i\": ' || i || '}', 'UTF8'),"
+            "        CASE WHEN i %% 2 = 0 THEN jsonb_build_object('tenant', 't' || i %% 7)"
+            "             ELSE '{}' END,"
+            '        \'{"content_type": "application/json"}\','
+            "        CASE WHEN i %% 5 < 4 THEN 'customer-' || i %% 11 %% 4 END,"
+            "        1, p - interval '2 ms', p"
+            " FROM (SELECT i, %(start)s + i * %(step)s AS p"
+            "       FROM generate_series(0, %(n)s - 1) AS i) AS g"
+            " ORDER BY p",
+            {"start": START, "step": timedelta(days=DAYS) / (DAYS * PER_DAY), "n": DAYS * PER_DAY},
+        )
+    found = rows(
+        database_url,
+        "SELECT id, message_id::text, exchange, routing_key, body, headers, ordering_key,"
+        " published_at FROM outbox.archive ORDER BY id",
+    )
+    names = ("id", "message_id", "exchange", "routing_key", "body", "headers", "key", "published")
+    with PipelineDatabase.connect(database_url, "outbox") as db:
+        source = Source(database_url, "outbox", partitions=2, fetch_size=500)
+        export(spark, lake, source, db, END + timedelta(days=1), chunk=400, say=quiet)
+    rows(database_url, "DELETE FROM outbox.archive RETURNING 1")
+    return [dict(zip(names, r, strict=True)) for r in found]
+
+
+def settings(database_url: str, lake: str) -> config.PipelineSettings:
+    return config.load_pipeline(database_url=database_url, lake=lake, spark_master="local[2]")
+
+
+def waiting(url: str, name: str) -> list[dict[str, Any]]:
+    """The headers of every message replay `name` put in the outbox, as they wait there."""
+    found = rows(
+        url,
+        "SELECT headers FROM outbox.messages WHERE headers->>'x-replay' = %s"
+        " UNION ALL SELECT headers FROM outbox.ready WHERE headers->>'x-replay' = %s",
+        name,
+        name,
+    )
+    return [r[0] for r in found]
+
+
+def day(n: int) -> datetime:
+    return START + timedelta(days=n)
+
+
+async def test_a_replay_sends_exactly_its_selection_with_provenance_in_key_order(
+    spark: SparkSession,
+    database_url: str,
+    amqp_url: str,
+    broker: amqp.Broker,
+    lake: str,
+    archived: list[dict[str, Any]],
+) -> None:
+    await broker.declare()
+    selection = replay.Selection(
+        since=day(2) + timedelta(hours=5),
+        until=day(4),
+        exchange="orders",
+        routing_key="order.paid*",
+        to_exchange=broker.exchange,
+    )
+    chosen = [
+        r
+        for r in archived
+        if selection.since <= r["published"] < selection.until
+        and r["exchange"] == "orders"
+        and r["routing_key"].startswith("order.paid")
+    ]
+    assert 50 < len(chosen) < len(archived) / 4
+    assert {r["key"] for r in chosen} > {None}  # keyed and unkeyed
+    enqueued = jobs.replay_lake(
+        settings(database_url, lake),
+        selection,
+        name="bootstrap",
+        batch=7,
+        rate=5000,
+        say=quiet,
+        spark=spark,
+    )
+    assert enqueued == len(chosen)
+
+    async with inprocess.running(inprocess.settings_for(database_url, amqp_url)):
+        received = await broker.collect(len(chosen), settle=1.0)
+    assert len(received) == len(chosen)  # nothing else arrived
+    by_original = {r["message_id"]: r for r in chosen}
+    assert {m.headers["x-replay-of"] for m in received} == set(by_original)
+    keys: dict[str, list[datetime]] = defaultdict(list)
+    for m in received:
+        original = by_original[m.headers["x-replay-of"]]
+        assert m.message_id == str(replay.message_id("bootstrap", original["message_id"]))
+        assert m.message_id != original["message_id"]
+        assert m.routing_key == original["routing_key"]
+        assert m.body == bytes(original["body"])
+        assert m.headers["x-replay"] == "bootstrap"
+        assert m.headers["x-replay-exchange"] == "orders"
+        assert m.headers["x-replay-routing-key"] == original["routing_key"]
+        published = datetime.fromisoformat(m.headers["x-replay-published-at"])
+        assert published == original["published"]
+        for header, value in original["headers"].items():
+            assert m.headers[header] == value
+        assert m.properties.content_type == "application/json"
+        if original["key"] is not None:
+            keys[original["key"]].append(published)
+    assert len(keys) == 4
+    for key, times in keys.items():
+        assert times == sorted(times), f"{key} arrived out of its original order"
+
+    # The same replay again adds nothing.
+    again = jobs.replay_lake(
+        settings(database_url, lake), selection, name="bootstrap", say=quiet, spark=spark
+    )
+    assert again == 0
+    assert rows(database_url, "SELECT count(*) FROM outbox.messages")[0][0] == 0
+    assert waiting(database_url, "bootstrap") == []
+
+
+def test_a_replay_killed_midway_and_run_again_enqueues_each_message_once(
+    spark: SparkSession,
+    database_url: str,
+    lake: str,
+    archived: list[dict[str, Any]],
+    tmp_path: Path,
+) -> None:
+    options = ["--since", day(1).isoformat(), "--until", day(5).isoformat(), "--key", "customer-?"]
+    chosen = [r for r in archived if day(1) <= r["published"] < day(5) and r["key"] is not None]
+    command = [
+        sys.executable,
+        "-m",
+        "relay",
+        "pipeline",
+        "replay",
+        "--lake",
+        lake,
+        "--name",
+        "again",
+        "--rate",
+        "40",
+        "--batch",
+        "10",
+        *options,
+    ]
+    env = clean_env(OUTBOX_DATABASE_URL=database_url, OUTBOX_SPARK_MASTER="local[1]")
+    with (tmp_path / "replay.log").open("w") as log:
+        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            until(
+                lambda: len(waiting(database_url, "again")) >= 30,
+                timeout=120,
+                message="the replay to enqueue 30 messages",
+            )
+        finally:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    partly = len(waiting(database_url, "again"))
+    assert 30 <= partly < len(chosen)
+    ((position, enqueued),) = rows(
+        database_url, "SELECT position, enqueued FROM outbox.replays WHERE name = 'again'"
+    )
+    assert enqueued == partly
+    assert position > 0
+
+    given = {
+        "since": day(1).isoformat(),
+        "until": day(5).isoformat(),
+        "exchange": None,
+        "routing_key": None,
+        "key": "customer-?",
+        "to_exchange": None,
+        "to_routing_key": None,
+    }
+    rest = jobs.replay_lake(
+        settings(database_url, lake),
+        replay.Selection(),  # the replay's own selection, from its first run, is used
+        name="again",
+        given=given,
+        say=quiet,
+        spark=spark,
+    )
+    assert rest == len(chosen) - partly
+    headers = waiting(database_url, "again")
+    assert sorted(h["x-replay-of"] for h in headers) == sorted(r["message_id"] for r in chosen)
+    # Per key, in the outbox in their original order (the key gate sends them that way).
+    order = rows(
+        database_url,
+        "SELECT ordering_key, headers->>'x-replay-published-at' FROM outbox.messages"
+        " WHERE headers->>'x-replay' = 'again' ORDER BY ordering_key, seq",
+    )
+    for key in {k for k, _ in order}:
+        times = [t for k, t in order if k == key]
+        assert times == sorted(times, key=datetime.fromisoformat)
+
+    with pytest.raises(errors.InvalidArgument, match="other options"):
+        jobs.replay_lake(
+            settings(database_url, lake),
+            replay.Selection(),
+            name="again",
+            given={**given, "key": "*"},
+            say=quiet,
+            spark=spark,
+        )
+
+
+def test_a_dry_run_counts_per_route_and_sends_nothing(
+    spark: SparkSession, database_url: str, lake: str, archived: list[dict[str, Any]]
+) -> None:
+    said: list[str] = []
+    selection = replay.Selection(since=day(3), to_routing_key="replayed")
+    total = jobs.replay_lake(
+        settings(database_url, lake),
+        selection,
+        name="look",
+        dry_run=True,
+        say=said.append,
+        spark=spark,
+    )
+    chosen = [r for r in archived if r["published"] >= day(3)]
+    assert total == len(chosen)
+    counts: dict[tuple[str, str], int] = defaultdict(int)
+    for r in chosen:
+        counts[r["exchange"], r["routing_key"]] += 1
+    lines = said[1:]
+    assert len(lines) == len(counts)
+    for (exchange, routing_key), n in counts.items():
+        (line,) = [x for x in lines if f" {exchange} {routing_key} to " in x]
+        assert line.split()[0] == f"{n:,}"
+        assert "routing key 'replayed'" in line
+    assert rows(database_url, "SELECT count(*) FROM outbox.replays")[0][0] == 0
+    assert rows(database_url, "SELECT count(*) FROM outbox.messages")[0][0] == 0
+
+
+def test_a_replay_reads_only_the_days_it_selects(
+    spark: SparkSession, database_url: str, lake: str, archived: list[dict[str, Any]]
+) -> None:
+    # Every Parquet file of the other days is made unreadable: a replay that opened one (to read
+    # it, or only its footer) would fail.
+    root = Path(lake.removeprefix("file://"), "archive")
+    wanted = f"day={day(4):%Y-%m-%d}"
+    spoilt = [p for p in root.glob("day=*/*/*.parquet") if p.parts[-3] != wanted]
+    assert spoilt
+    for path in spoilt:
+        path.write_bytes(b"not parquet")
+    selection = replay.Selection(since=day(4), until=day(5))
+    total = jobs.replay_lake(
+        settings(database_url, lake), selection, dry_run=True, say=quiet, spark=spark
+    )
+    assert total == len([r for r in archived if day(4) <= r["published"] < day(5)]) > 0
+
+
+# The orders of events around a replay's position (the fence of its batches).
+
+
+def batch(after: int, last: int, n: int, key: str | None = None) -> Batch:
+    return Batch(
+        after=after,
+        last=last,
+        exchanges=["x"] * n,
+        routing_keys=["r"] * n,
+        bodies=[b"{}"] * n,
+        headers=[Jsonb({"x-replay": "fence"})] * n,
+        properties=[Jsonb({})] * n,
+        ordering_keys=[key] * n,
+        message_ids=[uuid.uuid4() for _ in range(n)],
+    )
+
+
+def waiting_count(url: str) -> int:
+    return len(waiting(url, "fence"))
+
+
+def test_two_runs_of_one_replay_at_once_enqueue_its_batch_once(database_url: str) -> None:
+    """Run A's batch is in its transaction when run B sends the same batch: B waits for A's
+    row lock, then finds the position moved and is refused."""
+    with ReplayDatabase.connect(database_url, "outbox") as db:
+        db.start("fence", {"selection": {}, "given": {}})
+    a = psycopg.connect(database_url)
+    with a:
+        a.execute(
+            "SELECT outbox.replay_batch('fence', 0, 10, %s, %s, %s, %s, %s, %s, %s)",
+            _arrays(batch(0, 10, 5)),
+        )
+        refused: list[BaseException] = []
+
+        def run_b() -> None:
+            try:
+                with ReplayDatabase.connect(database_url, "outbox") as b:
+                    b.enqueue("fence", batch(0, 10, 5))
+            except errors.RelayError as exc:
+                refused.append(exc)
+
+        other = threading.Thread(target=run_b)
+        other.start()
+        until(
+            lambda: (
+                rows(
+                    database_url,
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND application_name = 'outbox-relay replay'",
+                )[0][0]
+                == 1
+            ),
+            message="run B to wait for run A's batch",
+        )
+    # Leaving `with a` committed A's batch.
+    other.join(30)
+    assert refused
+    assert "moved on from position 0" in str(refused[0])
+    assert waiting_count(database_url) == 5
+
+
+def test_a_batch_whose_answer_was_lost_is_refused_when_sent_again(database_url: str) -> None:
+    """The batch committed but its run never learnt it (the connection broke on the way back):
+    sending it again is refused, and the replay goes on from the committed position."""
+    with ReplayDatabase.connect(database_url, "outbox") as db:
+        db.start("fence", {"selection": {}, "given": {}})
+        first = batch(0, 10, 5, key="k")
+        assert db.enqueue("fence", first) == 5
+        with pytest.raises(errors.RelayError, match="moved on"):
+            db.enqueue("fence", first)
+        state = db.find("fence")
+        assert state is not None
+        assert (state.position, state.enqueued) == (10, 5)
+        assert db.enqueue("fence", batch(10, 20, 3, key="k")) == 3
+    assert waiting_count(database_url) == 8
+
+
+def test_a_batch_rolled_back_moves_nothing(database_url: str) -> None:
+    with ReplayDatabase.connect(database_url, "outbox") as db:
+        db.start("fence", {"selection": {}, "given": {}})
+    with psycopg.connect(database_url) as conn:
+        conn.execute(
+            "SELECT outbox.replay_batch('fence', 0, 10, %s, %s, %s, %s, %s, %s, %s)",
+            _arrays(batch(0, 10, 5)),
+        )
+        conn.rollback()
+    with ReplayDatabase.connect(database_url, "outbox") as db:
+        state = db.find("fence")
+        assert state is not None
+        assert (state.position, state.enqueued) == (0, 0)
+        assert db.enqueue("fence", batch(0, 10, 5)) == 5
+    assert waiting_count(database_url) == 5
+
+
+def test_bad_replay_input_is_refused_at_the_boundary(database_url: str) -> None:
+    with ReplayDatabase.connect(database_url, "outbox") as db:
+        with pytest.raises(errors.InvalidArgument, match="replay name"):
+            db.start("no spaces; please", {"selection": {}})
+        with pytest.raises(errors.InvalidArgument, match="no replay"):
+            db.enqueue("never-started", batch(0, 1, 1))
+        db.start("fence", {"selection": {}, "given": {}})
+        with pytest.raises(errors.InvalidArgument, match="at or after"):
+            db.enqueue("fence", batch(5, 1, 1))
+        bad = batch(0, 1, 1)
+        with pytest.raises(errors.InvalidArgument, match="exchange"):
+            db.enqueue("fence", dataclasses.replace(bad, exchanges=["x" * 300]))
+        state = db.find("fence")
+        assert state is not None
+        assert state.position == 0
+    with pytest.raises(errors.InvalidArgument, match="before --until"):
+        replay.Selection(since=day(2), until=day(1))
+    with pytest.raises(errors.InvalidArgument, match="timezone"):
+        replay.Selection(since=datetime(2026, 1, 1))
+    assert json.loads(json.dumps(replay.Selection(since=day(1)).document()))["since"]
+
+
+def _arrays(b: Batch) -> tuple[Any, ...]:
+    return (
+        b.exchanges,
+        b.routing_keys,
+        b.bodies,
+        b.headers,
+        b.properties,
+        b.ordering_keys,
+        b.message_ids,
+    )
