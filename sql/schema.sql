@@ -652,6 +652,32 @@ BEGIN
 END;
 $$;
 
+-- Name: _replay_moves(text, bigint, bigint); Type: FUNCTION; Schema: outbox; Owner: -
+
+CREATE FUNCTION outbox._replay_moves(p_name text, p_after bigint, p_last bigint) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO 'outbox', 'pg_temp'
+    AS $$
+DECLARE
+    v_position bigint;
+BEGIN
+    SELECT r.position INTO v_position FROM replays r WHERE r.name = p_name FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'replay: there is no replay %', quote_literal(p_name)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF v_position IS DISTINCT FROM p_after THEN
+        RAISE EXCEPTION 'replay % has moved on from position % to % (another run of it is going)',
+            quote_literal(p_name), p_after, v_position
+            USING ERRCODE = 'object_in_use';
+    END IF;
+    IF p_last IS NULL OR p_last <= p_after THEN
+        RAISE EXCEPTION 'replay: a batch must lie past the position it names (% .. %)',
+            p_after, p_last USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+END;
+$$;
+
 -- Name: _seg(bigint); Type: FUNCTION; Schema: outbox; Owner: -
 
 CREATE FUNCTION outbox._seg(p_id bigint) RETURNS smallint
@@ -1507,35 +1533,33 @@ BEGIN
 END;
 $$;
 
--- Name: replay_batch(text, bigint, bigint, text[], text[], bytea[], jsonb[], jsonb[], text[], uuid[]); Type: FUNCTION; Schema: outbox; Owner: -
+-- Name: replay_batch(text, bigint, bigint[], text[], text[], bytea[], jsonb[], jsonb[], text[], uuid[]); Type: FUNCTION; Schema: outbox; Owner: -
 
-CREATE FUNCTION outbox.replay_batch(p_name text, p_after bigint, p_last bigint, p_exchanges text[], p_routing_keys text[], p_bodies bytea[], p_headers jsonb[], p_properties jsonb[], p_ordering_keys text[], p_message_ids uuid[]) RETURNS integer
+CREATE FUNCTION outbox.replay_batch(p_name text, p_after bigint, p_ids bigint[], p_exchanges text[], p_routing_keys text[], p_bodies bytea[], p_headers jsonb[], p_properties jsonb[], p_ordering_keys text[], p_message_ids uuid[]) RETURNS integer
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'outbox', 'pg_temp'
     AS $$
 DECLARE
-    v_n integer := coalesce(cardinality(p_message_ids), 0);
+    v_n integer := coalesce(cardinality(p_ids), 0);
 BEGIN
-    IF p_last IS NULL OR p_after IS NULL OR p_last < p_after THEN
-        RAISE EXCEPTION 'replay_batch: the batch must end at or after where it starts (% .. %)',
-            p_after, p_last USING ERRCODE = 'invalid_parameter_value';
+    IF v_n = 0 OR array_position(p_ids, NULL) IS NOT NULL
+       OR coalesce(cardinality(p_message_ids), 0) <> v_n
+       OR array_position(p_message_ids, NULL) IS NOT NULL THEN
+        RAISE EXCEPTION 'replay_batch: a batch names at least one lake id and a message_id for '
+                        'each, none of them null' USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    IF (SELECT min(i) FROM unnest(p_ids) AS i) <= p_after THEN
+        RAISE EXCEPTION 'replay_batch: lake id % is not past the position %',
+            (SELECT min(i) FROM unnest(p_ids) AS i), p_after
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    PERFORM _replay_moves(p_name, p_after, (SELECT max(i) FROM unnest(p_ids) AS i));
+    PERFORM enqueue_many(p_exchanges, p_routing_keys, p_bodies, p_headers, p_properties,
+                         NULL, p_ordering_keys, p_message_ids);
     UPDATE replays
-    SET position = p_last, enqueued = enqueued + v_n, updated_at = now()
-    WHERE name = p_name AND position = p_after;
-    IF NOT FOUND THEN
-        IF NOT EXISTS (SELECT 1 FROM replays WHERE name = p_name) THEN
-            RAISE EXCEPTION 'replay_batch: there is no replay %', quote_literal(p_name)
-                USING ERRCODE = 'invalid_parameter_value';
-        END IF;
-        RAISE EXCEPTION 'replay_batch: replay % has moved on from position % (another run of it '
-                        'is going)', quote_literal(p_name), p_after
-            USING ERRCODE = 'object_in_use';
-    END IF;
-    IF v_n > 0 THEN
-        PERFORM enqueue_many(p_exchanges, p_routing_keys, p_bodies, p_headers, p_properties,
-                             NULL, p_ordering_keys, p_message_ids);
-    END IF;
+    SET position = (SELECT max(i) FROM unnest(p_ids) AS i), enqueued = enqueued + v_n,
+        updated_at = now()
+    WHERE name = p_name;
     RETURN v_n;
 END;
 $$;
@@ -1600,6 +1624,25 @@ BEGIN
                         AND p.seq = m.seq - (SELECT coalesce(max(k.concurrency), 1) FROM keys k
                                              WHERE k.ordering_key = m.ordering_key));
     PERFORM pg_notify(current_schema() || '_new', '');
+END;
+$$;
+
+-- Name: replay_skip(text, bigint, bigint, text, text); Type: FUNCTION; Schema: outbox; Owner: -
+
+CREATE FUNCTION outbox.replay_skip(p_name text, p_after bigint, p_id bigint, p_message_id text, p_reason text) RETURNS void
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'outbox', 'pg_temp'
+    AS $$
+BEGIN
+    PERFORM _replay_moves(p_name, p_after, p_id);
+    UPDATE replays
+    SET position = p_id, skipped = skipped + 1, updated_at = now(),
+        skips = CASE WHEN jsonb_array_length(skips) < 100
+                     THEN skips || jsonb_build_array(jsonb_build_object(
+                              'id', p_id, 'message_id', p_message_id,
+                              'reason', left(coalesce(p_reason, ''), 1000)))
+                     ELSE skips END
+    WHERE name = p_name;
 END;
 $$;
 
@@ -1701,35 +1744,40 @@ CREATE TABLE outbox.replays (
     selection jsonb NOT NULL,
     "position" bigint DEFAULT 0 NOT NULL,
     enqueued bigint DEFAULT 0 NOT NULL,
+    skipped bigint DEFAULT 0 NOT NULL,
+    skips jsonb DEFAULT '[]'::jsonb NOT NULL,
     started_at timestamp with time zone DEFAULT now() NOT NULL,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
     CONSTRAINT replays_enqueued_check CHECK ((enqueued >= 0)),
     CONSTRAINT replays_name_check CHECK ((name ~ '^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$'::text)),
-    CONSTRAINT replays_position_check CHECK (("position" >= 0))
+    CONSTRAINT replays_position_check CHECK (("position" >= 0)),
+    CONSTRAINT replays_skipped_check CHECK ((skipped >= 0))
 );
 
 -- Name: TABLE replays; Type: COMMENT; Schema: outbox; Owner: -
 
 COMMENT ON TABLE outbox.replays IS 'Replays of archived messages from the lake (outbox-relay pipeline replay): one row each.';
 
--- Name: start_replay(text, jsonb); Type: FUNCTION; Schema: outbox; Owner: -
+-- Name: start_replay(text, jsonb, boolean); Type: FUNCTION; Schema: outbox; Owner: -
 
-CREATE FUNCTION outbox.start_replay(p_name text, p_selection jsonb) RETURNS SETOF outbox.replays
+CREATE FUNCTION outbox.start_replay(p_name text, p_selection jsonb, p_create boolean DEFAULT true) RETURNS SETOF outbox.replays
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'outbox', 'pg_temp'
     AS $_$
 BEGIN
-    IF p_selection IS NULL OR jsonb_typeof(p_selection) <> 'object' THEN
-        RAISE EXCEPTION 'start_replay: the selection must be a JSON object'
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
     IF p_name IS NULL OR p_name !~ '^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$' THEN
         RAISE EXCEPTION 'start_replay: a replay name is 1 to 128 letters, digits, ".", "_", ":" '
                         'or "-", starting with a letter or digit; not %', quote_nullable(p_name)
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    INSERT INTO replays (name, selection) VALUES (p_name, p_selection)
-    ON CONFLICT (name) DO NOTHING;
+    IF p_create THEN
+        IF p_selection IS NULL OR jsonb_typeof(p_selection) <> 'object' THEN
+            RAISE EXCEPTION 'start_replay: the selection must be a JSON object'
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        INSERT INTO replays (name, selection) VALUES (p_name, p_selection)
+        ON CONFLICT (name) DO NOTHING;
+    END IF;
     RETURN QUERY SELECT * FROM replays r WHERE r.name = p_name;
 END;
 $_$;

@@ -31,6 +31,8 @@ def when(value: str | datetime | timedelta, now: datetime | None = None) -> date
         return now - timedelta(seconds=values.parse_duration(value))
     except ValueError:
         pass
+    except OverflowError:
+        raise errors.InvalidArgument(f"{value!r} ago is before the year 1") from None
     try:
         parsed = datetime.fromisoformat(value)
     except ValueError:

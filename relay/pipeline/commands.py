@@ -138,6 +138,11 @@ def all_command(
     help="Messages per transaction (the relays' batch size suits).",
 )
 @click.option(
+    "--include-replays",
+    is_flag=True,
+    help="Also take messages that were themselves replays (they carry x-replay).",
+)
+@click.option(
     "--dry-run", is_flag=True, help="Count what would be replayed, per route; send nothing."
 )
 @settings_options(*SPARK)
@@ -154,6 +159,7 @@ def replay_command(
     name: str | None,
     rate: float,
     batch: int,
+    include_replays: bool,
     dry_run: bool,
     conf: tuple[str, ...],
     **flags: Any,
@@ -162,9 +168,10 @@ def replay_command(
 
     Each gets a new message_id (the same each time this replay runs) and the headers x-replay,
     x-replay-of (the original message_id), x-replay-published-at, x-replay-exchange and
-    x-replay-routing-key; messages of an ordering key keep their order, behind the key's live
-    ones. Only days the time bounds allow are read. Batches are transactions: run the same command
-    again and it continues where it stopped, adding nothing twice."""
+    x-replay-routing-key; messages of an ordering key keep the order they were published in.
+    Only days the time bounds allow are read. Batches are transactions: run the same command
+    again and it continues where it stopped, adding nothing twice. A message the outbox refuses
+    today (e.g. over a since-lowered size limit) is skipped and listed."""
     from relay.core import config
 
     given = {
@@ -175,6 +182,7 @@ def replay_command(
         "key": key,
         "to_exchange": to_exchange,
         "to_routing_key": to_routing_key,
+        "include_replays": include_replays,
     }
     settings = config.load_pipeline(**flags)
     jobs = _jobs()
@@ -190,6 +198,7 @@ def replay_command(
         key=key,
         to_exchange=to_exchange,
         to_routing_key=to_routing_key,
+        include_replays=include_replays,
     )
     jobs.replay_lake(
         settings,

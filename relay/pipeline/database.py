@@ -83,20 +83,23 @@ class PipelineDatabase(pg.Session):
 
 @dataclasses.dataclass(frozen=True)
 class ReplayState:
-    """A replay's row: the last lake id it enqueued, how many messages, what it selects."""
+    """A replay's row: the last lake id it is done with, the messages it enqueued, the rows it
+    skipped (and the first 100 of them, with why), and what it selects."""
 
     position: int
     enqueued: int
+    skipped: int
+    skips: list[dict[str, Any]]
     selection: dict[str, Any]
     started_at: datetime
 
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
-    """One batch of a replay: the lake ids after < id <= last, and the messages they become."""
+    """One batch of a replay: its lake rows (ids ascending, all past `after`) as messages."""
 
     after: int
-    last: int
+    ids: list[int]
     exchanges: list[str]
     routing_keys: list[str]
     bodies: list[bytes]
@@ -109,7 +112,7 @@ class Batch:
 class ReplayDatabase(pg.Session):
     """An autocommit session for replays from the lake. It takes no pipeline lock (a replay runs
     for as long as its rate makes it, beside exports and prunes); each replay's position fences
-    its batches instead."""
+    its writes instead (sql/0021_lake_replays.sql)."""
 
     @classmethod
     @contextmanager
@@ -121,26 +124,42 @@ class ReplayDatabase(pg.Session):
 
     def find(self, name: str) -> ReplayState | None:
         """The replay called `name`, if it was ever started."""
-        with _replay_errors(self._schema):
-            row = self._conn.execute(self._q.replay_find, {"name": name}).fetchone()
-        return None if row is None else ReplayState(*row)
+        return self._start(name, None, create=False)
 
     def start(self, name: str, selection: dict[str, Any]) -> ReplayState:
         """The replay called `name`, started with `selection` unless it exists already."""
-        params = {"name": name, "selection": Jsonb(selection)}
+        state = self._start(name, Jsonb(selection), create=True)
+        assert state is not None  # start_replay returns the row it found or made
+        return state
+
+    def _start(self, name: str, selection: Jsonb | None, *, create: bool) -> ReplayState | None:
+        params = {"name": name, "selection": selection, "create": create}
         with _replay_errors(self._schema):
             row = self._conn.execute(self._q.replay_start, params).fetchone()
-        assert row is not None  # start_replay returns the row it found or made
-        return ReplayState(*row)
+        return None if row is None else ReplayState(*row)
 
     def enqueue(self, name: str, batch: Batch) -> int:
-        """Enqueue `batch` and move the replay's position to its end, in one transaction;
-        RelayError if the position is no longer `batch.after` (another run of it is going)."""
+        """Enqueue `batch` and move the replay's position to its last id, in one transaction.
+        RelayError if the position is no longer `batch.after` (another run of it is going);
+        InvalidMessage if the outbox refuses a message of it (then nothing was enqueued)."""
         params = {"name": name, **dataclasses.asdict(batch)}
         with _replay_errors(self._schema):
             row = self._conn.execute(self._q.replay_batch, params).fetchone()
         assert row is not None
         return int(row[0])
+
+    def skip(self, name: str, after: int, lake_id: int, message_id: str, reason: str) -> None:
+        """Move the replay's position past lake row `lake_id`, which it does not send, and record
+        why; RelayError as for `enqueue`."""
+        params = {
+            "name": name,
+            "after": after,
+            "id": lake_id,
+            "message_id": message_id,
+            "reason": reason,
+        }
+        with _replay_errors(self._schema):
+            self._conn.execute(self._q.replay_skip, params)
 
 
 @contextmanager
@@ -153,7 +172,10 @@ def _replay_errors(schema: str) -> Iterator[None]:
                 f"{exc.diag.message_primary}; when it ends, run this replay again to continue"
             ) from None
         except psycopg.errors.InvalidParameterValue as exc:
-            raise errors.InvalidArgument(exc.diag.message_primary or str(exc)) from None
+            text = exc.diag.message_primary or str(exc)
+            if text.startswith("enqueue"):  # the outbox's own check of a message
+                raise errors.InvalidMessage(text) from None
+            raise errors.InvalidArgument(text) from None
         except psycopg.errors.UniqueViolation as exc:
             raise errors.RelayError(
                 f"{exc.diag.message_primary}: a message of this replay is still waiting in the "

@@ -101,15 +101,17 @@ def replay_lake(
     say: Say = print,
     bar: Callable[[int], AbstractContextManager[replay.Progress]] = _no_bar,
     spark: SparkSession | None = None,
-) -> int:
-    """Replay the lake's archived messages `selection` takes into the outbox (docs: README,
-    "Replaying history from the lake"); the number enqueued by this run (a dry run: selected).
+) -> replay.Outcome:
+    """Replay the lake's archived messages `selection` takes into the outbox (README, "Replaying
+    history from the lake"); what this run found to do and did (a dry run: found).
 
-    A replay is known by `name` (default: from `given`, the options as the caller was given them,
-    else from `selection`): run again, it goes on from its last batch, with the selection of its
-    first run, and adds nothing it added before. `given` must then be what it was."""
-    given = dict(given) if given is not None else selection.document()
-    name = name or replay.default_name(given)
+    A replay is known by `name` (default: made from `given`, the options as the caller was given
+    them, else from `selection`). Run again, it goes on after its last batch with the selection
+    of its first run (`selection` is then not used: relative times stay as they were first
+    resolved), and adds nothing it added before; `given` must be what it was. A first run that
+    selects nothing records nothing."""
+    given = json_safe(given if given is not None else selection.document())
+    name = replay.check_name(name or replay.default_name(given))
     running = session.spark_session(settings, conf) if spark is None else session.borrowed(spark)
     url = settings.database_url.get_secret_value()
     with (
@@ -118,26 +120,35 @@ def replay_lake(
     ):
         lake = session.lake_path(settings)
         state = db.find(name)
-        if state is not None:
-            if state.selection.get("given") != json_safe(given):
-                raise errors.InvalidArgument(
-                    f"replay {name} was started with other options "
-                    f"({state.selection.get('given')}); give this one another --name"
-                )
-            selection = replay.Selection.from_document(state.selection["selection"])
-        after = state.position if state is not None else 0
-        data = replay.selected(spark, lake, selection, after)
-        if dry_run:
-            return _dry_run(name, selection, state, data, say)
-        state = db.start(name, {"selection": selection.document(), "given": json_safe(given)})
-        total = 0 if data is None else data.count()
+        data, total = None, 0
+        if state is None:
+            selection = selection.checked()
+            data = replay.selected(spark, lake, selection)
+            total = 0 if data is None else data.count()
+            if dry_run:
+                return _dry_run(name, selection, None, data, say)
+            if total == 0:
+                say(f"replay {name}: nothing in the lake to replay; nothing recorded")
+                return replay.Outcome(0)
+            state = db.start(name, {"selection": selection.document(), "given": given})
+        if state.selection.get("given") != given:  # also: a first run of it made it meanwhile
+            raise errors.InvalidArgument(
+                f"replay {name} was started with other options "
+                f"({state.selection.get('given')}); give this one another --name"
+            )
+        selection = replay.Selection.from_document(state.selection["selection"])
+        if data is None or state.position > 0:
+            data = replay.selected(spark, lake, selection, state.position)
+            if dry_run:
+                return _dry_run(name, selection, state, data, say)
+            total = 0 if data is None else data.count()
         done = f" ({state.enqueued:,} enqueued before)" if state.enqueued else ""
         say(f"replay {name}: {render.count(total, 'message')} to go{done}{selection.target()}")
         if data is None or total == 0:
-            return 0
+            return replay.Outcome(0)
         started = time.monotonic()
         with bar(total) as advance:
-            enqueued = replay.replay(
+            outcome = replay.replay(
                 data,
                 db,
                 name,
@@ -147,11 +158,10 @@ def replay_lake(
                 batch=batch,
                 progress=advance,
             )
-        say(
-            f"replay {name}: {render.count(enqueued, 'message')} enqueued "
-            f"in {time.monotonic() - started:.1f}s"
-        )
-        return enqueued
+        took = time.monotonic() - started
+        say(f"replay {name}: {render.count(outcome.enqueued, 'message')} enqueued in {took:.1f}s")
+        _tell_skipped(name, outcome, say)
+        return outcome
 
 
 def json_safe(given: Mapping[str, object]) -> dict[str, object]:
@@ -160,13 +170,24 @@ def json_safe(given: Mapping[str, object]) -> dict[str, object]:
     return loaded
 
 
+def _tell_skipped(name: str, outcome: replay.Outcome, say: Say) -> None:
+    if not outcome.skipped:
+        return
+    say(
+        f"replay {name}: {render.count(len(outcome.skipped), 'message')} skipped: the outbox "
+        "refuses them today (the first 100 are in outbox.replays.skips)"
+    )
+    for lake_id, message_id, reason in outcome.skipped[:10]:
+        say(f"  lake id {lake_id} (message {message_id}): {reason}")
+
+
 def _dry_run(
     name: str,
     selection: replay.Selection,
     state: ReplayState | None,
     data: DataFrame | None,
     say: Say,
-) -> int:
+) -> replay.Outcome:
     found = [] if data is None else replay.routes(data)
     total = sum(r.messages for r in found)
     before = f"; {state.enqueued:,} enqueued by earlier runs" if state is not None else ""
@@ -174,6 +195,6 @@ def _dry_run(
     for r in found:
         say(
             f"  {r.messages:>10,}  {r.exchange} {r.routing_key}{selection.target()}  "
-            f"{r.first:%Y-%m-%d %H:%M:%S} … {r.last:%Y-%m-%d %H:%M:%S}"
+            f"{r.first:%Y-%m-%d %H:%M:%S}Z … {r.last:%Y-%m-%d %H:%M:%S}Z"
         )
-    return total
+    return replay.Outcome(total)

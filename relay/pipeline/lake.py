@@ -7,7 +7,8 @@ import dataclasses
 import json
 import re
 import uuid
-from datetime import UTC, datetime
+from collections.abc import Sequence
+from datetime import UTC, date, datetime
 from typing import Any, Literal
 
 from pyspark.errors import AnalysisException
@@ -94,23 +95,44 @@ class Manifest:
 
 
 def read(
-    spark: SparkSession, path: str, id_range: str | None = None, schema: StructType | None = None
+    spark: SparkSession,
+    path: str,
+    id_range: str | None = None,
+    *,
+    schema: StructType | None = None,
+    days: Sequence[date] | None = None,
 ) -> DataFrame | None:
-    """The Parquet dataset at `path` (only the files of `id_range`, if given), or None if nothing
-    was written there. The pipeline reads only columns every version of the tables had, so it
-    does not merge the schemas of older and newer files (which would read every file's footer);
-    given `schema`, it reads no footer to find one."""
+    """The Parquet dataset at `path` (only the files of `id_range`, if given; only the folders of
+    `days`, if given, so that no other day is even listed), or None if nothing was written there.
+    The pipeline reads only columns every version of the tables had, so it does not merge the
+    schemas of older and newer files (which would read every file's footer); given `schema`, it
+    reads no footer to find one."""
     reader = spark.read.option("basePath", path)
     if schema is not None:
         reader = reader.schema(schema)
     try:
         if id_range is not None:
             return reader.parquet(f"{path}/day=*/id_range={id_range}")
+        if days is not None:
+            folders = _existing(spark, [f"{path}/day={d.isoformat()}" for d in days])
+            return reader.parquet(*folders) if folders else None
         return reader.parquet(path)
     except AnalysisException as exc:
         if exc.getCondition() in ("PATH_NOT_FOUND", "UNABLE_TO_INFER_SCHEMA"):
             return None
         raise
+
+
+def _existing(spark: SparkSession, paths: Sequence[str]) -> list[str]:
+    """Those of `paths` that exist (one look each, on any Hadoop filesystem)."""
+    jvm: Any = spark._jvm
+    conf = spark._jsc.hadoopConfiguration()
+    found = []
+    for path in paths:
+        hadoop_path = jvm.org.apache.hadoop.fs.Path(path)
+        if hadoop_path.getFileSystem(conf).exists(hadoop_path):
+            found.append(path)
+    return found
 
 
 def table_path(lake: str, table: Table) -> str:

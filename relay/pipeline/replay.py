@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -50,14 +51,20 @@ SCHEMA = T.StructType(
         T.StructField("id_range", T.StringType()),
     ]
 )
+#: A batch is sent once it holds this many bytes of bodies, whatever --batch says (a bytea[]
+#: parameter is one value, and PostgreSQL's values stop at 1 GB).
+BATCH_BYTES = 64 * 1024 * 1024
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 Progress = Callable[[int], object]
+Say = Callable[[str], object]
 
 
 @dataclasses.dataclass(frozen=True)
 class Selection:
     """Which archived messages a replay takes (every field left None matches everything) and
-    where it sends them (None: where they went)."""
+    where it sends them (None: where they went). Messages that were themselves replays (they
+    carry `x-replay`) are left out unless `include_replays`."""
 
     since: datetime | None = None  # published at or after
     until: datetime | None = None  # published before
@@ -66,8 +73,10 @@ class Selection:
     key: str | None = None  # a shell glob over the ordering key
     to_exchange: str | None = None
     to_routing_key: str | None = None
+    include_replays: bool = False
 
-    def __post_init__(self) -> None:
+    def checked(self) -> Selection:
+        """Itself, or InvalidArgument saying what is wrong with it."""
         for bound in (self.since, self.until):
             if bound is not None and bound.tzinfo is None:
                 raise errors.InvalidArgument("a replay's time bounds must be timezone-aware")
@@ -77,6 +86,7 @@ class Selection:
             value = getattr(self, name)
             if value is not None and len(value.encode()) > 255:
                 raise errors.InvalidArgument(f"--{name.replace('_', '-')}: over 255 bytes")
+        return self
 
     def document(self) -> dict[str, Any]:
         """As the replays table keeps it (times in ISO 8601)."""
@@ -96,9 +106,22 @@ class Selection:
 
     def target(self) -> str:
         parts = [f"exchange {self.to_exchange!r}" if self.to_exchange is not None else ""]
-        parts.append(f"routing key {self.to_routing_key!r}" if self.to_routing_key else "")
+        parts.append(
+            f"routing key {self.to_routing_key!r}" if self.to_routing_key is not None else ""
+        )
         chosen = " and ".join(p for p in parts if p)
         return f" to {chosen}" if chosen else ""
+
+
+def check_name(name: str) -> str:
+    """`name`, or InvalidArgument unless it is 1 to 128 letters, digits, `.`, `_`, `:` or `-`
+    starting with a letter or digit (as the replays table requires)."""
+    if not _NAME.fullmatch(name):
+        raise errors.InvalidArgument(
+            f"a replay name is 1 to 128 letters, digits, '.', '_', ':' or '-', starting with a "
+            f"letter or digit; not {name!r}"
+        )
+    return name
 
 
 def default_name(given: Mapping[str, object]) -> str:
@@ -113,7 +136,8 @@ def selected(
 ) -> DataFrame | None:
     """The lake's archived messages `selection` takes, with ids past `after`; None if the lake
     has none. Only id ranges an export finished are read (a range being written may be
-    incomplete), and only the days the time bounds allow: Spark prunes the other partitions."""
+    incomplete), and with a `since`, only the folders of the days between the bounds are listed
+    and read."""
     done = sorted(
         r.name
         for r, states in Manifest(spark, lake).states().items()
@@ -121,16 +145,20 @@ def selected(
     )
     if not done:
         return None
-    data = read(spark, table_path(lake, "archive"), schema=SCHEMA)
+    days = None
+    if selection.since is not None:
+        until = selection.until or datetime.now(UTC)
+        # Published before `until`: its day is the last only if `until` is past midnight.
+        days = _days(_day(selection.since), _day(until - timedelta(microseconds=1)))
+    data = read(spark, table_path(lake, "archive"), schema=SCHEMA, days=days)
     if data is None:
         return None
     conditions = [F.col("id_range").isin(done), F.col("id") > F.lit(after)]
     if selection.since is not None:
-        conditions.append(F.col("day") >= F.lit(_day(selection.since)))
         conditions.append(F.col("published_at") >= F.lit(selection.since))
     if selection.until is not None:
-        # Published before `until`: its day is the last only if `until` is past midnight.
-        conditions.append(F.col("day") <= F.lit(_day(selection.until - timedelta(microseconds=1))))
+        last = _day(selection.until - timedelta(microseconds=1))
+        conditions.append(F.col("day") <= F.lit(last))  # a partition filter: later days unread
         conditions.append(F.col("published_at") < F.lit(selection.until))
     if selection.exchange is not None:
         conditions.append(F.col("exchange") == F.lit(selection.exchange))
@@ -138,6 +166,8 @@ def selected(
         conditions.append(F.col("routing_key").like(glob_to_like(selection.routing_key)))
     if selection.key is not None:
         conditions.append(F.col("ordering_key").like(glob_to_like(selection.key)))
+    if not selection.include_replays:
+        conditions.append(F.get_json_object("headers", "$['x-replay']").isNull())
     for condition in conditions:
         data = data.where(condition)
     return data
@@ -155,14 +185,23 @@ class Route:
 
 
 def routes(data: DataFrame) -> list[Route]:
-    """The selection counted per route (most messages first)."""
+    """The selection counted per route (most messages first), times in UTC."""
     grouped = data.groupBy("exchange", "routing_key").agg(
         F.count(F.lit(1)).alias("messages"),
         F.min("published_at").alias("first"),
         F.max("published_at").alias("last"),
     )
     rows = grouped.orderBy(F.desc("messages"), "exchange", "routing_key").collect()
-    return [Route(r.exchange, r.routing_key, r.messages, r.first, r.last) for r in rows]
+    return [Route(r.exchange, r.routing_key, r.messages, _utc(r.first), _utc(r.last)) for r in rows]
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What one run of a replay found to do, and did (a dry run: found only)."""
+
+    selected: int  # past the replay's position when the run began
+    enqueued: int = 0
+    skipped: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)  # id, msg, why
 
 
 def replay(
@@ -176,25 +215,26 @@ def replay(
     batch: int,
     progress: Progress = lambda _: None,
     sleep: Callable[[float], object] = time.sleep,
-) -> int:
-    """Enqueue the rows of `data` past `after` in id order, `batch` at a time and `rate` messages
-    a second at most; the number enqueued. Each batch is a transaction that moves the replay's
-    position, so an interrupted replay continues after its last batch."""
+) -> Outcome:
+    """Enqueue the rows of `data` past `after` in id order, `batch` at a time (fewer when their
+    bodies pass BATCH_BYTES) and `rate` messages a second at most. Each batch is a transaction
+    that moves the replay's position, so an interrupted replay continues after its last batch. A
+    row the outbox refuses is skipped, and recorded with the reason, not retried for ever."""
     if rate <= 0 or batch <= 0:
         raise errors.InvalidArgument("the rate and the batch size must be positive")
     columns = [f.name for f in SCHEMA.fields if f.name not in ("day", "id_range")]
     rows = data.select(*columns).orderBy("id").toLocalIterator(prefetchPartitions=True)
+    sender = _Sender(db, name, selection, after)
+    total = 0
     started = time.monotonic()
-    enqueued = 0
     for chunk in _chunks(rows, batch):
-        messages = _batch(name, selection, after, chunk)
-        enqueued += db.enqueue(name, messages)
-        after = messages.last
+        sender.send(chunk)
+        total += len(chunk)
         progress(len(chunk))
-        ahead = started + enqueued / rate - time.monotonic()
+        ahead = started + (sender.enqueued + len(sender.skipped)) / rate - time.monotonic()
         if ahead > 0:
             sleep(ahead)
-    return enqueued
+    return Outcome(total, sender.enqueued, sender.skipped)
 
 
 def message_id(name: str, original: str) -> uuid.UUID:
@@ -202,53 +242,133 @@ def message_id(name: str, original: str) -> uuid.UUID:
     return uuid.uuid5(NAMESPACE, f"{name}/{original}")
 
 
-def _batch(name: str, selection: Selection, after: int, rows: list[Row]) -> Batch:
-    exchanges, routing_keys, headers = [], [], []
-    for row in rows:
-        exchanges.append(selection.to_exchange or row.exchange)
-        routing_keys.append(
-            row.routing_key if selection.to_routing_key is None else selection.to_routing_key
+@dataclasses.dataclass
+class _Sender:
+    """Sends a replay's rows in order, moving its position: whole batches while the outbox takes
+    them; row by row through a batch it refused, skipping the rows it refuses."""
+
+    db: ReplayDatabase
+    name: str
+    selection: Selection
+    after: int
+    enqueued: int = 0
+    skipped: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)
+
+    def send(self, rows: list[Row]) -> None:
+        good: list[tuple[Row, _Message]] = []
+        for row in rows:
+            if row.id <= self.after:
+                continue  # at or behind the position: done before (never expected)
+            try:
+                good.append((row, _message(self.name, self.selection, row)))
+            except errors.InvalidMessage as exc:
+                self._batch(good)
+                good = []
+                self._skip(row, str(exc))
+        self._batch(good)
+
+    def _batch(self, rows: list[tuple[Row, _Message]]) -> None:
+        if not rows:
+            return
+        try:
+            self._enqueue(rows)
+        except errors.InvalidMessage:
+            for one in rows:
+                try:
+                    self._enqueue([one])
+                except errors.InvalidMessage as exc:
+                    self._skip(one[0], str(exc))
+
+    def _enqueue(self, rows: list[tuple[Row, _Message]]) -> None:
+        ids = [row.id for row, _ in rows]
+        messages = [m for _, m in rows]
+        self.enqueued += self.db.enqueue(
+            self.name,
+            Batch(
+                after=self.after,
+                ids=ids,
+                exchanges=[m.exchange for m in messages],
+                routing_keys=[m.routing_key for m in messages],
+                bodies=[m.body for m in messages],
+                headers=[Jsonb(m.headers) for m in messages],
+                properties=[Jsonb(m.properties) for m in messages],
+                ordering_keys=[m.ordering_key for m in messages],
+                message_ids=[m.message_id for m in messages],
+            ),
         )
-        provenance = {
-            "x-replay": name,
-            "x-replay-of": row.message_id,
-            "x-replay-published-at": row.published_at.astimezone(UTC).isoformat(),
-            "x-replay-exchange": row.exchange,
-            "x-replay-routing-key": row.routing_key,
-        }
-        headers.append(Jsonb({**_object(row.headers, row, "headers"), **provenance}))
-    return Batch(
-        after=after,
-        last=rows[-1].id,
-        exchanges=exchanges,
-        routing_keys=routing_keys,
-        bodies=[bytes(row.body) for row in rows],
-        headers=headers,
-        properties=[Jsonb(_object(row.properties, row, "properties")) for row in rows],
-        ordering_keys=[row.ordering_key for row in rows],
-        message_ids=[message_id(name, row.message_id) for row in rows],
+        self.after = ids[-1]
+
+    def _skip(self, row: Row, reason: str) -> None:
+        self.db.skip(self.name, self.after, row.id, row.message_id, reason)
+        self.after = row.id
+        self.skipped.append((row.id, row.message_id, reason))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Message:
+    exchange: str
+    routing_key: str
+    body: bytes
+    headers: dict[str, Any]
+    properties: dict[str, Any]
+    ordering_key: str | None
+    message_id: uuid.UUID
+
+
+def _message(name: str, selection: Selection, row: Row) -> _Message:
+    """What lake row `row` becomes; InvalidMessage if its headers or properties are not JSON
+    objects (as the outbox never stores them, but a lake is files anyone can write)."""
+    provenance = {
+        "x-replay": name,
+        "x-replay-of": row.message_id,
+        "x-replay-published-at": _utc(row.published_at).isoformat(),
+        "x-replay-exchange": row.exchange,
+        "x-replay-routing-key": row.routing_key,
+    }
+    return _Message(
+        exchange=row.exchange if selection.to_exchange is None else selection.to_exchange,
+        routing_key=(
+            row.routing_key if selection.to_routing_key is None else selection.to_routing_key
+        ),
+        body=bytes(row.body),
+        headers={**_object(row.headers, "headers"), **provenance},
+        properties=_object(row.properties, "properties"),
+        ordering_key=row.ordering_key,
+        message_id=message_id(name, row.message_id),
     )
 
 
-def _object(text: str | None, row: Row, column: str) -> dict[str, Any]:
-    loaded = json.loads(text) if text else {}
+def _object(text: str | None, column: str) -> dict[str, Any]:
+    try:
+        loaded = json.loads(text) if text else {}
+    except ValueError:
+        loaded = None
     if not isinstance(loaded, dict):
-        raise errors.RelayError(
-            f"lake row id {row.id} (message {row.message_id}): {column} is not a JSON object"
-        )
+        raise errors.InvalidMessage(f"its {column} in the lake are not a JSON object")
     return loaded
 
 
 def _chunks(rows: Iterable[Row], size: int) -> Iterator[list[Row]]:
     chunk: list[Row] = []
+    held = 0
     for row in rows:
         chunk.append(row)
-        if len(chunk) == size:
+        held += len(row.body or b"")
+        if len(chunk) == size or held >= BATCH_BYTES:
             yield chunk
-            chunk = []
+            chunk, held = [], 0
     if chunk:
         yield chunk
 
 
+def _utc(moment: datetime) -> datetime:
+    """A time Spark gave (naive, in this process's local time zone) as UTC."""
+    return moment.astimezone(UTC)
+
+
 def _day(moment: datetime) -> date:
     return moment.astimezone(UTC).date()
+
+
+def _days(first: date, last: date) -> list[date]:
+    return [first + timedelta(days=n) for n in range((last - first).days + 1)]

@@ -18,7 +18,13 @@ GRANT USAGE ON SCHEMA {schema} TO {producer}, {relay}, {operator};
 GRANT EXECUTE ON FUNCTION
     {schema}.enqueue(text, text, bytea, jsonb, jsonb, timestamptz, text, uuid),
     {schema}.enqueue_json(text, text, jsonb, jsonb, jsonb, timestamptz, text, uuid),
-    {schema}.enqueue_many(text[], text[], bytea[], jsonb[], jsonb[], timestamptz[], text[], uuid[])
+    {schema}.enqueue_many(text[], text[], bytea[], jsonb[], jsonb[], timestamptz[], text[], uuid[]),
+    -- Replays from the lake (`pipeline replay`, migration 0021) enqueue, so they run as producers;
+    -- these functions enqueue through enqueue_many and keep each replay's position.
+    {schema}.start_replay(text, jsonb, boolean),
+    {schema}.replay_batch(text, bigint, bigint[], text[], text[], bytea[], jsonb[], jsonb[], text[],
+                          uuid[]),
+    {schema}.replay_skip(text, bigint, bigint, text, text)
 TO {producer};
 
 -- Relays: claim and lease (functions since migration 0015; relays of earlier versions ran their
@@ -53,9 +59,8 @@ GRANT EXECUTE ON FUNCTION
 TO {relay};
 
 -- Operators: the CLI's dead-letter, archive, keys and stats commands and the data pipeline:
--- read everything, purge dead rows, prune the archive, set key policies; replay dead rows or the
--- lake's archive and release keys only through the functions that do it in order (they run as
--- the owner, migrations 0008 and 0021). No
+-- read everything, purge dead rows, prune the archive, set key policies; replay and release keys
+-- only through the functions that do it in order (they run as the owner, migration 0008). No
 -- write to a waiting message, no change to settings, no DDL. UPDATE of dead.detail is there only
 -- because replay and purge lock their batch with FOR UPDATE, which asks for it.
 GRANT SELECT ON ALL TABLES IN SCHEMA {schema} TO {operator};
@@ -68,8 +73,5 @@ GRANT EXECUTE ON FUNCTION
     {schema}.replay_dead(bigint[], text, text),
     {schema}.release_key(text, boolean),
     {schema}.key_policy(text),
-    {schema}.lane_gauges(),
-    {schema}.start_replay(text, jsonb),
-    {schema}.replay_batch(text, bigint, bigint, text[], text[], bytea[], jsonb[], jsonb[], text[],
-                          uuid[])
+    {schema}.lane_gauges()
 TO {operator};

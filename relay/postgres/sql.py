@@ -78,8 +78,8 @@ class Queries:
     pipeline_prune_batch: LiteralString
     pipeline_prune_rows: LiteralString
     replay_start: LiteralString
-    replay_find: LiteralString
     replay_batch: LiteralString
+    replay_skip: LiteralString
 
 
 def parse(text: str) -> dict[str, str]:

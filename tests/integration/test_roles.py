@@ -283,24 +283,31 @@ def test_migrations_keep_the_roles_grants_current(secured: Secured) -> None:
         relay.enqueue(conn, "x", "a.b", b"after", schema=s.schema)
 
 
-def test_operator_replays_from_the_lake_only_through_its_functions(secured: Secured) -> None:
+def test_replays_from_the_lake_run_as_producers_through_their_functions(
+    secured: Secured,
+) -> None:
     s = secured
     q = f'"{s.schema}"'
     one_batch = (
-        f"SELECT {q}.replay_batch('r1', 0, 7, ARRAY['x'], ARRAY['r'], ARRAY['{{}}'::bytea],"
-        " ARRAY['{\"x-replay\": \"r1\"}'::jsonb], ARRAY['{}'::jsonb], ARRAY[NULL::text],"
-        " ARRAY[gen_random_uuid()])"
+        f"SELECT {q}.replay_batch('r1', 0, ARRAY[7::bigint], ARRAY['x'], ARRAY['r'],"
+        " ARRAY['{}'::bytea], ARRAY['{\"x-replay\": \"r1\"}'::jsonb], ARRAY['{}'::jsonb],"
+        " ARRAY[NULL::text], ARRAY[gen_random_uuid()])"
     )
-    with psycopg.connect(s.url("operator")) as conn:
+    with psycopg.connect(s.url("producer")) as conn:
         conn.execute(f"SELECT * FROM {q}.start_replay('r1', '{{}}')".encode())
         conn.execute(one_batch.encode())
+        conn.execute(f"SELECT {q}.replay_skip('r1', 7, 8, 'm', 'too big')".encode())
     assert count(s, "messages") + count(s, "ready") == 1
-    for job in ("producer", "relay"):
+    # A replay enqueues: the operator and the relay cannot, and a producer cannot write the
+    # table but through the functions (their fence).
+    for job in ("operator", "relay"):
         forbidden(s.url(job), one_batch)
         forbidden(s.url(job), f"SELECT * FROM {q}.start_replay('r2', '{{}}')")
-    for statement in (
-        f"UPDATE {q}.replays SET position = 0",
-        f"DELETE FROM {q}.replays",
-        f"INSERT INTO {q}.replays (name, selection) VALUES ('r3', '{{}}')",
-    ):
-        forbidden(s.url("operator"), statement)
+    for job in ("producer", "operator"):
+        for statement in (
+            f"UPDATE {q}.replays SET position = 0",
+            f"DELETE FROM {q}.replays",
+            f"INSERT INTO {q}.replays (name, selection) VALUES ('r3', '{{}}')",
+            f"SELECT {q}._replay_moves('r1', 8, 9)",
+        ):
+            forbidden(s.url(job), statement)

@@ -20,9 +20,10 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg.types.json import Jsonb
-from pyspark.sql import SparkSession
+from pyspark.sql import Row, SparkSession
 
 from relay.core import config, errors
+from relay.core.filters import when
 from relay.pipeline import jobs, replay
 from relay.pipeline.database import Batch, PipelineDatabase, ReplayDatabase
 from relay.pipeline.export import Source, export
@@ -58,8 +59,10 @@ def archived(spark: SparkSession, database_url: str, lake: str) -> list[dict[str
             " SELECT gen_random_uuid(), (ARRAY['orders', 'orders', 'billing'])[1 + i %% 3],"
             "        (ARRAY['order.created', 'order.paid', 'invoice.sent', 'order.paid.late'])"
             "          [1 + i %% 4],"
-            "        convert_to('{\"i\": ' || i || '}', 'UTF8'),"
-            "        CASE WHEN i %% 2 = 0 THEN jsonb_build_object('tenant', 't' || i %% 7)"
+            "        convert_to('{\"i\": ' || i || '}' || repeat(' ', (i %% 13 = 0)::int * 600),"
+            "                   'UTF8'),"
+            '        CASE WHEN i %% 97 = 5 THEN \'{"x-replay": "earlier"}\''
+            "             WHEN i %% 2 = 0 THEN jsonb_build_object('tenant', 't' || i %% 7)"
             "             ELSE '{}' END,"
             '        \'{"content_type": "application/json"}\','
             "        CASE WHEN i %% 5 < 4 THEN 'customer-' || i %% 11 %% 4 END,"
@@ -80,6 +83,11 @@ def archived(spark: SparkSession, database_url: str, lake: str) -> list[dict[str
         export(spark, lake, source, db, END + timedelta(days=1), chunk=400, say=quiet)
     rows(database_url, "DELETE FROM outbox.archive RETURNING 1")
     return [dict(zip(names, r, strict=True)) for r in found]
+
+
+def originals(archived: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The archived messages that were not themselves replays (a replay takes only those)."""
+    return [r for r in archived if "x-replay" not in r["headers"]]
 
 
 def settings(database_url: str, lake: str) -> config.PipelineSettings:
@@ -120,14 +128,14 @@ async def test_a_replay_sends_exactly_its_selection_with_provenance_in_key_order
     )
     chosen = [
         r
-        for r in archived
+        for r in originals(archived)
         if selection.since <= r["published"] < selection.until
         and r["exchange"] == "orders"
         and r["routing_key"].startswith("order.paid")
     ]
     assert 50 < len(chosen) < len(archived) / 4
     assert {r["key"] for r in chosen} > {None}  # keyed and unkeyed
-    enqueued = jobs.replay_lake(
+    outcome = jobs.replay_lake(
         settings(database_url, lake),
         selection,
         name="bootstrap",
@@ -136,7 +144,7 @@ async def test_a_replay_sends_exactly_its_selection_with_provenance_in_key_order
         say=quiet,
         spark=spark,
     )
-    assert enqueued == len(chosen)
+    assert (outcome.selected, outcome.enqueued, outcome.skipped) == (len(chosen), len(chosen), [])
 
     async with inprocess.running(inprocess.settings_for(database_url, amqp_url)):
         received = await broker.collect(len(chosen), settle=1.0)
@@ -168,7 +176,7 @@ async def test_a_replay_sends_exactly_its_selection_with_provenance_in_key_order
     again = jobs.replay_lake(
         settings(database_url, lake), selection, name="bootstrap", say=quiet, spark=spark
     )
-    assert again == 0
+    assert (again.selected, again.enqueued) == (0, 0)
     assert rows(database_url, "SELECT count(*) FROM outbox.messages")[0][0] == 0
     assert waiting(database_url, "bootstrap") == []
 
@@ -181,23 +189,11 @@ def test_a_replay_killed_midway_and_run_again_enqueues_each_message_once(
     tmp_path: Path,
 ) -> None:
     options = ["--since", day(1).isoformat(), "--until", day(5).isoformat(), "--key", "customer-?"]
-    chosen = [r for r in archived if day(1) <= r["published"] < day(5) and r["key"] is not None]
-    command = [
-        sys.executable,
-        "-m",
-        "relay",
-        "pipeline",
-        "replay",
-        "--lake",
-        lake,
-        "--name",
-        "again",
-        "--rate",
-        "40",
-        "--batch",
-        "10",
-        *options,
+    chosen = [
+        r for r in originals(archived) if day(1) <= r["published"] < day(5) and r["key"] is not None
     ]
+    command = [sys.executable, "-m", "relay", "pipeline", "replay", "--lake", lake]
+    command += ["--name", "again", "--rate", "40", "--batch", "10", *options]
     env = clean_env(OUTBOX_DATABASE_URL=database_url, OUTBOX_SPARK_MASTER="local[1]")
     with (tmp_path / "replay.log").open("w") as log:
         proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -226,16 +222,19 @@ def test_a_replay_killed_midway_and_run_again_enqueues_each_message_once(
         "key": "customer-?",
         "to_exchange": None,
         "to_routing_key": None,
+        "include_replays": False,
     }
     rest = jobs.replay_lake(
         settings(database_url, lake),
-        replay.Selection(),  # the replay's own selection, from its first run, is used
+        # Not used, not even checked: the replay's own selection, from its first run, is (as
+        # when `--since 90d` resolves past a fixed `--until` by the time the command is re-run).
+        replay.Selection(since=day(5), until=day(1)),
         name="again",
         given=given,
         say=quiet,
         spark=spark,
     )
-    assert rest == len(chosen) - partly
+    assert (rest.selected, rest.enqueued) == (len(chosen) - partly, len(chosen) - partly)
     headers = waiting(database_url, "again")
     assert sorted(h["x-replay-of"] for h in headers) == sorted(r["message_id"] for r in chosen)
     # Per key, in the outbox in their original order (the key gate sends them that way).
@@ -264,7 +263,7 @@ def test_a_dry_run_counts_per_route_and_sends_nothing(
 ) -> None:
     said: list[str] = []
     selection = replay.Selection(since=day(3), to_routing_key="replayed")
-    total = jobs.replay_lake(
+    found = jobs.replay_lake(
         settings(database_url, lake),
         selection,
         name="look",
@@ -272,8 +271,8 @@ def test_a_dry_run_counts_per_route_and_sends_nothing(
         say=said.append,
         spark=spark,
     )
-    chosen = [r for r in archived if r["published"] >= day(3)]
-    assert total == len(chosen)
+    chosen = [r for r in originals(archived) if r["published"] >= day(3)]
+    assert found.selected == len(chosen)
     counts: dict[tuple[str, str], int] = defaultdict(int)
     for r in chosen:
         counts[r["exchange"], r["routing_key"]] += 1
@@ -285,6 +284,12 @@ def test_a_dry_run_counts_per_route_and_sends_nothing(
         assert "routing key 'replayed'" in line
     assert rows(database_url, "SELECT count(*) FROM outbox.replays")[0][0] == 0
     assert rows(database_url, "SELECT count(*) FROM outbox.messages")[0][0] == 0
+    # Messages that were themselves replays count only when asked for.
+    everything = dataclasses.replace(selection, include_replays=True)
+    found = jobs.replay_lake(
+        settings(database_url, lake), everything, dry_run=True, say=quiet, spark=spark
+    )
+    assert found.selected == len([r for r in archived if r["published"] >= day(3)]) > len(chosen)
 
 
 def test_a_replay_reads_only_the_days_it_selects(
@@ -299,19 +304,88 @@ def test_a_replay_reads_only_the_days_it_selects(
     for path in spoilt:
         path.write_bytes(b"not parquet")
     selection = replay.Selection(since=day(4), until=day(5))
-    total = jobs.replay_lake(
+    found = jobs.replay_lake(
         settings(database_url, lake), selection, dry_run=True, say=quiet, spark=spark
     )
-    assert total == len([r for r in archived if day(4) <= r["published"] < day(5)]) > 0
+    expected = [r for r in originals(archived) if day(4) <= r["published"] < day(5)]
+    assert found.selected == len(expected) > 0
+
+
+def test_messages_the_outbox_refuses_today_are_skipped_and_recorded(
+    spark: SparkSession, database_url: str, lake: str, archived: list[dict[str, Any]]
+) -> None:
+    rows(database_url, "UPDATE outbox.settings SET max_body_bytes = 500 RETURNING 1")
+    chosen = [r for r in originals(archived) if r["published"] >= day(5)]
+    too_big = sorted(r["id"] for r in chosen if len(r["body"]) > 500)
+    assert 0 < len(too_big) < len(chosen)
+    said: list[str] = []
+    outcome = jobs.replay_lake(
+        settings(database_url, lake),
+        replay.Selection(since=day(5)),
+        name="limits",
+        batch=25,
+        rate=10_000,
+        say=said.append,
+        spark=spark,
+    )
+    assert [lake_id for lake_id, _, _ in outcome.skipped] == too_big
+    assert outcome.enqueued == len(chosen) - len(too_big)
+    assert all("max_body_bytes" in why or "bytes" in why for _, _, why in outcome.skipped)
+    assert any(f"{len(too_big)} messages skipped" in line for line in said)
+    ((skipped, skips, position),) = rows(
+        database_url, "SELECT skipped, skips, position FROM outbox.replays WHERE name = 'limits'"
+    )
+    assert skipped == len(too_big)
+    assert [s["id"] for s in skips] == too_big
+    assert position == max(r["id"] for r in chosen)
+    assert len(waiting(database_url, "limits")) == outcome.enqueued
+    again = jobs.replay_lake(
+        settings(database_url, lake),
+        replay.Selection(since=day(5)),
+        name="limits",
+        say=quiet,
+        spark=spark,
+    )
+    assert (again.selected, again.enqueued, again.skipped) == (0, 0, [])
+
+
+def test_a_lake_row_becomes_its_message_with_provenance_and_its_target() -> None:
+    row = Row(
+        id=7,
+        message_id="0b9e7f8a-3c1d-4e5f-8a9b-0c1d2e3f4a5b",
+        exchange="orders",
+        routing_key="order.paid",
+        body=bytearray(b"{}"),
+        headers='{"tenant": "t1", "x-replay": "older"}',
+        properties='{"content_type": "application/json"}',
+        ordering_key="customer-1",
+        published_at=datetime(2026, 11, 20, 23, 59, 59, 999999, tzinfo=UTC),
+    )
+    # '' is AMQP's default exchange: a target like any other, not "no target".
+    message = replay._message("r", replay.Selection(to_exchange="", to_routing_key=""), row)
+    assert (message.exchange, message.routing_key) == ("", "")
+    assert message.headers["tenant"] == "t1"
+    assert message.headers["x-replay"] == "r"  # the newest replay names itself
+    assert message.headers["x-replay-of"] == row.message_id
+    assert message.headers["x-replay-published-at"] == "2026-11-20T23:59:59.999999+00:00"
+    assert message.message_id == replay.message_id("r", row.message_id)
+    assert message.message_id != replay.message_id("s", row.message_id)
+    kept = replay._message("r", replay.Selection(), row)
+    assert (kept.exchange, kept.routing_key) == ("orders", "order.paid")
+    for bad in ("[1]", "null", "not json"):
+        with pytest.raises(errors.InvalidMessage, match="headers in the lake"):
+            replay._message("r", replay.Selection(), Row(**{**row.asDict(), "headers": bad}))
 
 
 # The orders of events around a replay's position (the fence of its batches).
 
 
-def batch(after: int, last: int, n: int, key: str | None = None) -> Batch:
+def batch(after: int, first: int, n: int, key: str | None = None) -> Batch:
+    """n messages from lake ids first, first + 1, …, sent by a run that saw the position at
+    `after`."""
     return Batch(
         after=after,
-        last=last,
+        ids=list(range(first, first + n)),
         exchanges=["x"] * n,
         routing_keys=["r"] * n,
         bodies=[b"{}"] * n,
@@ -326,23 +400,40 @@ def waiting_count(url: str) -> int:
     return len(waiting(url, "fence"))
 
 
+def started(url: str) -> None:
+    with ReplayDatabase.connect(url, "outbox") as db:
+        db.start("fence", {"selection": {}, "given": {}})
+
+
+def raw_batch(conn: psycopg.Connection[Any], b: Batch) -> None:
+    conn.execute(
+        "SELECT outbox.replay_batch('fence', %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+        (
+            b.after,
+            b.ids,
+            b.exchanges,
+            b.routing_keys,
+            b.bodies,
+            b.headers,
+            b.properties,
+            b.ordering_keys,
+            b.message_ids,
+        ),
+    )
+
+
 def test_two_runs_of_one_replay_at_once_enqueue_its_batch_once(database_url: str) -> None:
     """Run A's batch is in its transaction when run B sends the same batch: B waits for A's
     row lock, then finds the position moved and is refused."""
-    with ReplayDatabase.connect(database_url, "outbox") as db:
-        db.start("fence", {"selection": {}, "given": {}})
-    a = psycopg.connect(database_url)
-    with a:
-        a.execute(
-            "SELECT outbox.replay_batch('fence', 0, 10, %s, %s, %s, %s, %s, %s, %s)",
-            _arrays(batch(0, 10, 5)),
-        )
+    started(database_url)
+    with psycopg.connect(database_url) as a:
+        raw_batch(a, batch(0, 1, 5))
         refused: list[BaseException] = []
 
         def run_b() -> None:
             try:
                 with ReplayDatabase.connect(database_url, "outbox") as b:
-                    b.enqueue("fence", batch(0, 10, 5))
+                    b.enqueue("fence", batch(0, 1, 5))
             except errors.RelayError as exc:
                 refused.append(exc)
 
@@ -359,43 +450,63 @@ def test_two_runs_of_one_replay_at_once_enqueue_its_batch_once(database_url: str
             ),
             message="run B to wait for run A's batch",
         )
-    # Leaving `with a` committed A's batch.
+    # Leaving `with psycopg.connect(…)` committed A's batch.
     other.join(30)
     assert refused
-    assert "moved on from position 0" in str(refused[0])
+    assert "moved on from position 0 to 5" in str(refused[0])
     assert waiting_count(database_url) == 5
+
+
+def test_a_run_that_read_the_position_late_cannot_resend_what_it_already_passed(
+    database_url: str,
+) -> None:
+    """Run B selected rows past position 0; run A then committed lake ids 1–5; B, reading the
+    position only now (5), sends its first batch — ids 1–5 again — as "after 5". Refused: a
+    batch must lie wholly past the position it names (A's messages may be published already, so
+    their ids, unique only while waiting, would not stop a second copy)."""
+    started(database_url)
+    with ReplayDatabase.connect(database_url, "outbox") as db:
+        assert db.enqueue("fence", batch(0, 1, 5)) == 5
+        rows(database_url, "DELETE FROM outbox.messages RETURNING 1")  # A's were sent meanwhile
+        rows(database_url, "DELETE FROM outbox.ready RETURNING 1")
+        with pytest.raises(errors.InvalidArgument, match="not past the position 5"):
+            db.enqueue("fence", batch(5, 1, 5))
+        with pytest.raises(errors.InvalidArgument, match="not past the position 5"):
+            db.enqueue("fence", batch(5, 5, 3))
+        with pytest.raises(errors.InvalidArgument, match="must lie past the position"):
+            db.skip("fence", 5, 3, "m", "why")  # behind it: refused by the fence
+        state = db.find("fence")
+        assert state is not None
+        assert (state.position, state.enqueued) == (5, 5)
+    assert waiting_count(database_url) == 0
 
 
 def test_a_batch_whose_answer_was_lost_is_refused_when_sent_again(database_url: str) -> None:
     """The batch committed but its run never learnt it (the connection broke on the way back):
     sending it again is refused, and the replay goes on from the committed position."""
+    started(database_url)
     with ReplayDatabase.connect(database_url, "outbox") as db:
-        db.start("fence", {"selection": {}, "given": {}})
-        first = batch(0, 10, 5, key="k")
+        first = batch(0, 1, 5, key="k")
         assert db.enqueue("fence", first) == 5
         with pytest.raises(errors.RelayError, match="moved on"):
             db.enqueue("fence", first)
         state = db.find("fence")
         assert state is not None
-        assert (state.position, state.enqueued) == (10, 5)
-        assert db.enqueue("fence", batch(10, 20, 3, key="k")) == 3
+        assert (state.position, state.enqueued) == (5, 5)
+        assert db.enqueue("fence", batch(5, 6, 3, key="k")) == 3
     assert waiting_count(database_url) == 8
 
 
 def test_a_batch_rolled_back_moves_nothing(database_url: str) -> None:
-    with ReplayDatabase.connect(database_url, "outbox") as db:
-        db.start("fence", {"selection": {}, "given": {}})
+    started(database_url)
     with psycopg.connect(database_url) as conn:
-        conn.execute(
-            "SELECT outbox.replay_batch('fence', 0, 10, %s, %s, %s, %s, %s, %s, %s)",
-            _arrays(batch(0, 10, 5)),
-        )
+        raw_batch(conn, batch(0, 1, 5))
         conn.rollback()
     with ReplayDatabase.connect(database_url, "outbox") as db:
         state = db.find("fence")
         assert state is not None
         assert (state.position, state.enqueued) == (0, 0)
-        assert db.enqueue("fence", batch(0, 10, 5)) == 5
+        assert db.enqueue("fence", batch(0, 1, 5)) == 5
     assert waiting_count(database_url) == 5
 
 
@@ -406,28 +517,23 @@ def test_bad_replay_input_is_refused_at_the_boundary(database_url: str) -> None:
         with pytest.raises(errors.InvalidArgument, match="no replay"):
             db.enqueue("never-started", batch(0, 1, 1))
         db.start("fence", {"selection": {}, "given": {}})
-        with pytest.raises(errors.InvalidArgument, match="at or after"):
-            db.enqueue("fence", batch(5, 1, 1))
-        bad = batch(0, 1, 1)
-        with pytest.raises(errors.InvalidArgument, match="exchange"):
-            db.enqueue("fence", dataclasses.replace(bad, exchanges=["x" * 300]))
+        with pytest.raises(errors.InvalidArgument, match="at least one lake id"):
+            db.enqueue("fence", batch(0, 1, 0))
+        nulls = dataclasses.replace(batch(0, 1, 2), message_ids=[uuid.uuid4(), None])  # type: ignore[list-item]
+        with pytest.raises(errors.InvalidArgument, match="none of them null"):
+            db.enqueue("fence", nulls)
+        with pytest.raises(errors.InvalidMessage, match="exchange"):
+            db.enqueue("fence", dataclasses.replace(batch(0, 1, 1), exchanges=["x" * 300]))
         state = db.find("fence")
         assert state is not None
-        assert state.position == 0
+        assert (state.position, state.enqueued) == (0, 0)
+    assert waiting_count(database_url) == 0
+    with pytest.raises(errors.InvalidArgument, match="replay name"):
+        replay.check_name("-starts-with-a-dash")
     with pytest.raises(errors.InvalidArgument, match="before --until"):
-        replay.Selection(since=day(2), until=day(1))
+        replay.Selection(since=day(2), until=day(1)).checked()
     with pytest.raises(errors.InvalidArgument, match="timezone"):
-        replay.Selection(since=datetime(2026, 1, 1))
+        replay.Selection(since=datetime(2026, 1, 1)).checked()
+    with pytest.raises(errors.InvalidArgument, match="before the year 1"):
+        when("100000000d")
     assert json.loads(json.dumps(replay.Selection(since=day(1)).document()))["since"]
-
-
-def _arrays(b: Batch) -> tuple[Any, ...]:
-    return (
-        b.exchanges,
-        b.routing_keys,
-        b.bodies,
-        b.headers,
-        b.properties,
-        b.ordering_keys,
-        b.message_ids,
-    )

@@ -46,17 +46,17 @@ USING unnest(%(ids)s::bigint[], %(message_ids)s::uuid[]) AS l(id, message_id)
 WHERE a.id = l.id AND a.message_id = l.message_id;
 
 -- name: replay_start
--- A replay from the lake, started with this selection if it is new (migration 0021).
-SELECT position, enqueued, selection, started_at
-FROM {schema}.start_replay(%(name)s, %(selection)s);
-
--- name: replay_find
-SELECT position, enqueued, selection, started_at
-FROM {schema}.replays
-WHERE name = %(name)s;
+-- A replay from the lake (migration 0021): started with this selection if it is new and
+-- `create`; its row either way (none if it is not there).
+SELECT position, enqueued, skipped, skips, selection, started_at
+FROM {schema}.start_replay(%(name)s, %(selection)s, %(create)s);
 
 -- name: replay_batch
 -- One batch of a replay, enqueued and its position moved, in one transaction (fenced by `after`).
-SELECT {schema}.replay_batch(%(name)s, %(after)s, %(last)s, %(exchanges)s, %(routing_keys)s,
+SELECT {schema}.replay_batch(%(name)s, %(after)s, %(ids)s, %(exchanges)s, %(routing_keys)s,
                              %(bodies)s, %(headers)s, %(properties)s, %(ordering_keys)s,
                              %(message_ids)s);
+
+-- name: replay_skip
+-- One lake row the outbox refused, skipped with its reason (fenced by `after`).
+SELECT {schema}.replay_skip(%(name)s, %(after)s, %(id)s, %(message_id)s, %(reason)s);
