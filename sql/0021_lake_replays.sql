@@ -18,7 +18,10 @@
 --
 -- Rights: a replay enqueues, so it runs as a producer (`outbox-relay roles` grants these
 -- functions to the producer role, which may enqueue anything anyway); the operator role reads the
--- table, as every table, and cannot enqueue.
+-- table, as every table, and cannot enqueue. A replay belongs to the login that started it
+-- (session_user): no other login can see, continue, or skip through it, so an application's
+-- producer login cannot start a replay under the name an operator's command will use, nor move
+-- an operator's replay on.
 --
 -- Upgrading: new objects only; relays of the previous version neither see nor need them.
 -- `migrate` grants the functions to the producer role.
@@ -36,6 +39,7 @@ CREATE TABLE replays (
     skipped     bigint NOT NULL DEFAULT 0 CHECK (skipped >= 0),
     -- The first 100 rows skipped: lake id, original message_id, reason.
     skips       jsonb NOT NULL DEFAULT '[]',
+    started_by  text NOT NULL DEFAULT session_user,
     started_at  timestamptz NOT NULL DEFAULT now(),
     updated_at  timestamptz NOT NULL DEFAULT now()
 );
@@ -65,7 +69,24 @@ BEGIN
         INSERT INTO replays (name, selection) VALUES (p_name, p_selection)
         ON CONFLICT (name) DO NOTHING;
     END IF;
+    PERFORM _replay_owned(p_name);
     RETURN QUERY SELECT * FROM replays r WHERE r.name = p_name;
+END;
+$$;
+
+-- Refuses (insufficient_privilege) a replay another login started.
+CREATE FUNCTION _replay_owned(p_name text) RETURNS void
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_by text;
+BEGIN
+    SELECT r.started_by INTO v_by FROM replays r WHERE r.name = p_name;
+    IF FOUND AND v_by IS DISTINCT FROM session_user::text THEN
+        RAISE EXCEPTION 'replay % was started by another login (%); only it can see or continue '
+                        'it', quote_literal(p_name), v_by USING ERRCODE = 'insufficient_privilege';
+    END IF;
 END;
 $$;
 
@@ -83,6 +104,7 @@ BEGIN
         RAISE EXCEPTION 'replay: there is no replay %', quote_literal(p_name)
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    PERFORM _replay_owned(p_name);
     IF v_position IS DISTINCT FROM p_after THEN
         RAISE EXCEPTION 'replay % has moved on from position % to % (another run of it is going)',
             quote_literal(p_name), p_after, v_position
@@ -97,10 +119,13 @@ $$;
 
 -- Enqueue one batch of replay `p_name` — the lake rows with ids p_ids, all past p_after, in that
 -- order — and move its position to the greatest of them, in the caller's transaction; refused
--- (object_in_use) unless the position is p_after. Returns how many messages were enqueued.
+-- (object_in_use) unless the position is p_after. Each message's headers are its lake headers
+-- (JSON text, kept exactly: no client round trip through floats) merged with its provenance.
+-- Returns how many messages were enqueued.
 CREATE FUNCTION replay_batch(p_name text, p_after bigint, p_ids bigint[], p_exchanges text[],
-                             p_routing_keys text[], p_bodies bytea[], p_headers jsonb[],
-                             p_properties jsonb[], p_ordering_keys text[], p_message_ids uuid[])
+                             p_routing_keys text[], p_bodies bytea[], p_headers text[],
+                             p_provenance jsonb[], p_properties text[], p_ordering_keys text[],
+                             p_message_ids uuid[])
 RETURNS integer
 LANGUAGE plpgsql
 SECURITY DEFINER
@@ -109,6 +134,7 @@ AS $$
 DECLARE
     v_n integer := coalesce(cardinality(p_ids), 0);
 BEGIN
+    PERFORM _replay_owned(p_name);
     IF v_n = 0 OR array_position(p_ids, NULL) IS NOT NULL
        OR coalesce(cardinality(p_message_ids), 0) <> v_n
        OR array_position(p_message_ids, NULL) IS NOT NULL THEN
@@ -121,7 +147,12 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     PERFORM _replay_moves(p_name, p_after, (SELECT max(i) FROM unnest(p_ids) AS i));
-    PERFORM enqueue_many(p_exchanges, p_routing_keys, p_bodies, p_headers, p_properties,
+    PERFORM enqueue_many(p_exchanges, p_routing_keys, p_bodies,
+                         ARRAY(SELECT coalesce(h::jsonb, '{}') || coalesce(p, '{}')
+                               FROM unnest(p_headers, p_provenance) WITH ORDINALITY AS u(h, p, i)
+                               ORDER BY i),
+                         ARRAY(SELECT coalesce(x::jsonb, '{}')
+                               FROM unnest(p_properties) WITH ORDINALITY AS u(x, i) ORDER BY i),
                          NULL, p_ordering_keys, p_message_ids);
     UPDATE replays
     SET position = (SELECT max(i) FROM unnest(p_ids) AS i), enqueued = enqueued + v_n,

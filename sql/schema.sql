@@ -666,6 +666,7 @@ BEGIN
         RAISE EXCEPTION 'replay: there is no replay %', quote_literal(p_name)
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    PERFORM _replay_owned(p_name);
     IF v_position IS DISTINCT FROM p_after THEN
         RAISE EXCEPTION 'replay % has moved on from position % to % (another run of it is going)',
             quote_literal(p_name), p_after, v_position
@@ -674,6 +675,23 @@ BEGIN
     IF p_last IS NULL OR p_last <= p_after THEN
         RAISE EXCEPTION 'replay: a batch must lie past the position it names (% .. %)',
             p_after, p_last USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+END;
+$$;
+
+-- Name: _replay_owned(text); Type: FUNCTION; Schema: outbox; Owner: -
+
+CREATE FUNCTION outbox._replay_owned(p_name text) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO 'outbox', 'pg_temp'
+    AS $$
+DECLARE
+    v_by text;
+BEGIN
+    SELECT r.started_by INTO v_by FROM replays r WHERE r.name = p_name;
+    IF FOUND AND v_by IS DISTINCT FROM session_user::text THEN
+        RAISE EXCEPTION 'replay % was started by another login (%); only it can see or continue '
+                        'it', quote_literal(p_name), v_by USING ERRCODE = 'insufficient_privilege';
     END IF;
 END;
 $$;
@@ -1533,15 +1551,16 @@ BEGIN
 END;
 $$;
 
--- Name: replay_batch(text, bigint, bigint[], text[], text[], bytea[], jsonb[], jsonb[], text[], uuid[]); Type: FUNCTION; Schema: outbox; Owner: -
+-- Name: replay_batch(text, bigint, bigint[], text[], text[], bytea[], text[], jsonb[], text[], text[], uuid[]); Type: FUNCTION; Schema: outbox; Owner: -
 
-CREATE FUNCTION outbox.replay_batch(p_name text, p_after bigint, p_ids bigint[], p_exchanges text[], p_routing_keys text[], p_bodies bytea[], p_headers jsonb[], p_properties jsonb[], p_ordering_keys text[], p_message_ids uuid[]) RETURNS integer
+CREATE FUNCTION outbox.replay_batch(p_name text, p_after bigint, p_ids bigint[], p_exchanges text[], p_routing_keys text[], p_bodies bytea[], p_headers text[], p_provenance jsonb[], p_properties text[], p_ordering_keys text[], p_message_ids uuid[]) RETURNS integer
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'outbox', 'pg_temp'
     AS $$
 DECLARE
     v_n integer := coalesce(cardinality(p_ids), 0);
 BEGIN
+    PERFORM _replay_owned(p_name);
     IF v_n = 0 OR array_position(p_ids, NULL) IS NOT NULL
        OR coalesce(cardinality(p_message_ids), 0) <> v_n
        OR array_position(p_message_ids, NULL) IS NOT NULL THEN
@@ -1554,7 +1573,12 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     PERFORM _replay_moves(p_name, p_after, (SELECT max(i) FROM unnest(p_ids) AS i));
-    PERFORM enqueue_many(p_exchanges, p_routing_keys, p_bodies, p_headers, p_properties,
+    PERFORM enqueue_many(p_exchanges, p_routing_keys, p_bodies,
+                         ARRAY(SELECT coalesce(h::jsonb, '{}') || coalesce(p, '{}')
+                               FROM unnest(p_headers, p_provenance) WITH ORDINALITY AS u(h, p, i)
+                               ORDER BY i),
+                         ARRAY(SELECT coalesce(x::jsonb, '{}')
+                               FROM unnest(p_properties) WITH ORDINALITY AS u(x, i) ORDER BY i),
                          NULL, p_ordering_keys, p_message_ids);
     UPDATE replays
     SET position = (SELECT max(i) FROM unnest(p_ids) AS i), enqueued = enqueued + v_n,
@@ -1746,6 +1770,7 @@ CREATE TABLE outbox.replays (
     enqueued bigint DEFAULT 0 NOT NULL,
     skipped bigint DEFAULT 0 NOT NULL,
     skips jsonb DEFAULT '[]'::jsonb NOT NULL,
+    started_by text DEFAULT SESSION_USER NOT NULL,
     started_at timestamp with time zone DEFAULT now() NOT NULL,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
     CONSTRAINT replays_enqueued_check CHECK ((enqueued >= 0)),
@@ -1778,6 +1803,7 @@ BEGIN
         INSERT INTO replays (name, selection) VALUES (p_name, p_selection)
         ON CONFLICT (name) DO NOTHING;
     END IF;
+    PERFORM _replay_owned(p_name);
     RETURN QUERY SELECT * FROM replays r WHERE r.name = p_name;
 END;
 $_$;

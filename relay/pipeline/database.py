@@ -91,6 +91,7 @@ class ReplayState:
     skipped: int
     skips: list[dict[str, Any]]
     selection: dict[str, Any]
+    started_by: str
     started_at: datetime
 
 
@@ -103,8 +104,9 @@ class Batch:
     exchanges: list[str]
     routing_keys: list[str]
     bodies: list[bytes]
-    headers: list[Jsonb]
-    properties: list[Jsonb]
+    headers: list[str]  # JSON objects as the lake holds them
+    provenance: list[Jsonb]  # merged over the headers (sql/0021_lake_replays.sql)
+    properties: list[str]  # JSON objects as the lake holds them
     ordering_keys: list[str | None]
     message_ids: list[UUID]
 
@@ -176,6 +178,11 @@ def _replay_errors(schema: str) -> Iterator[None]:
             if text.startswith("enqueue"):  # the outbox's own check of a message
                 raise errors.InvalidMessage(text) from None
             raise errors.InvalidArgument(text) from None
+        except psycopg.errors.InsufficientPrivilege as exc:
+            raise errors.RelayError(
+                f"{exc.diag.message_primary} (a replay enqueues, so it runs as a producer login "
+                "of the schema, the one that started it)"
+            ) from None
         except psycopg.errors.UniqueViolation as exc:
             raise errors.RelayError(
                 f"{exc.diag.message_primary}: a message of this replay is still waiting in the "

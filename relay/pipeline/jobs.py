@@ -136,8 +136,11 @@ def replay_lake(
                 f"replay {name} was started with other options "
                 f"({state.selection.get('given')}); give this one another --name"
             )
-        selection = replay.Selection.from_document(state.selection["selection"])
-        if data is None or state.position > 0:
+        stored = replay.Selection.from_document(state.selection["selection"])
+        # Selected afresh unless this run made the row: another first run of it may have made
+        # it meanwhile, with times resolved a moment earlier or later.
+        if data is None or state.position > 0 or stored != selection:
+            selection = stored
             data = replay.selected(spark, lake, selection, state.position)
             if dry_run:
                 return _dry_run(name, selection, state, data, say)
@@ -160,7 +163,7 @@ def replay_lake(
             )
         took = time.monotonic() - started
         say(f"replay {name}: {render.count(outcome.enqueued, 'message')} enqueued in {took:.1f}s")
-        _tell_skipped(name, outcome, say)
+        _tell_skipped(name, settings.db_schema, outcome, say)
         return outcome
 
 
@@ -170,14 +173,14 @@ def json_safe(given: Mapping[str, object]) -> dict[str, object]:
     return loaded
 
 
-def _tell_skipped(name: str, outcome: replay.Outcome, say: Say) -> None:
+def _tell_skipped(name: str, schema: str, outcome: replay.Outcome, say: Say) -> None:
     if not outcome.skipped:
         return
     say(
-        f"replay {name}: {render.count(len(outcome.skipped), 'message')} skipped: the outbox "
-        "refuses them today (the first 100 are in outbox.replays.skips)"
+        f"replay {name}: {render.count(outcome.skipped, 'message')} skipped: the outbox "
+        f'refuses them today (the first 100 are in "{schema}".replays.skips)'
     )
-    for lake_id, message_id, reason in outcome.skipped[:10]:
+    for lake_id, message_id, reason in outcome.first_skipped[:10]:
         say(f"  lake id {lake_id} (message {message_id}): {reason}")
 
 

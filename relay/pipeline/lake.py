@@ -3,11 +3,11 @@ finished and pruned, kept as small marker files beside the data (any Hadoop file
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
 import uuid
-from collections.abc import Sequence
 from datetime import UTC, date, datetime
 from typing import Any, Literal
 
@@ -100,13 +100,13 @@ def read(
     id_range: str | None = None,
     *,
     schema: StructType | None = None,
-    days: Sequence[date] | None = None,
+    days: tuple[date, date] | None = None,
 ) -> DataFrame | None:
     """The Parquet dataset at `path` (only the files of `id_range`, if given; only the folders of
-    `days`, if given, so that no other day is even listed), or None if nothing was written there.
-    The pipeline reads only columns every version of the tables had, so it does not merge the
-    schemas of older and newer files (which would read every file's footer); given `schema`, it
-    reads no footer to find one."""
+    the days from `days[0]` to `days[1]`, if given, so that no other day's folder is even listed),
+    or None if nothing was written there. The pipeline reads only columns every version of the
+    tables had, so it does not merge the schemas of older and newer files (which would read every
+    file's footer); given `schema`, it reads no footer to find one."""
     reader = spark.read.option("basePath", path)
     if schema is not None:
         reader = reader.schema(schema)
@@ -114,7 +114,7 @@ def read(
         if id_range is not None:
             return reader.parquet(f"{path}/day=*/id_range={id_range}")
         if days is not None:
-            folders = _existing(spark, [f"{path}/day={d.isoformat()}" for d in days])
+            folders = _day_folders(spark, path, *days)
             return reader.parquet(*folders) if folders else None
         return reader.parquet(path)
     except AnalysisException as exc:
@@ -123,16 +123,22 @@ def read(
         raise
 
 
-def _existing(spark: SparkSession, paths: Sequence[str]) -> list[str]:
-    """Those of `paths` that exist (one look each, on any Hadoop filesystem)."""
+def _day_folders(spark: SparkSession, path: str, first: date, last: date) -> list[str]:
+    """The `day=…` folders of the dataset at `path` from `first` to `last` (one listing of
+    `path`, not of every folder)."""
     jvm: Any = spark._jvm
-    conf = spark._jsc.hadoopConfiguration()
+    folder = jvm.org.apache.hadoop.fs.Path(path)
+    fs = folder.getFileSystem(spark._jsc.hadoopConfiguration())
+    if not fs.exists(folder):
+        return []
     found = []
-    for path in paths:
-        hadoop_path = jvm.org.apache.hadoop.fs.Path(path)
-        if hadoop_path.getFileSystem(conf).exists(hadoop_path):
-            found.append(path)
-    return found
+    for status in fs.listStatus(folder):
+        name = status.getPath().getName()
+        if status.isDirectory() and name.startswith("day="):
+            with contextlib.suppress(ValueError):
+                if first <= date.fromisoformat(name.removeprefix("day=")) <= last:
+                    found.append(f"{path}/{name}")
+    return sorted(found)
 
 
 def table_path(lake: str, table: Table) -> str:

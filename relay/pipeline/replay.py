@@ -23,8 +23,9 @@ from relay.core.filters import glob_to_like
 from relay.pipeline.database import Batch, ReplayDatabase
 from relay.pipeline.lake import Manifest, read, table_path
 
-#: The message ids a replay gives are uuid5 of this namespace and "<replay name>/<original id>":
-#: the same replay gives a message the same new id every time, and two replays different ones.
+#: The message ids a replay gives are uuid5 of this namespace and "<replay name>/<lake id>/<original
+#: id>": the same replay gives a message the same new id every time, two replays different ones,
+#: and two archived messages that shared an id (one reused after the other was sent) two ids.
 NAMESPACE = uuid.UUID("6f1d2c1e-8b0a-5d55-9a43-0c7e0b1d9f21")
 #: The provenance headers each replayed message carries (a producer may not use `x-outbox-`).
 HEADERS = (
@@ -55,6 +56,10 @@ SCHEMA = T.StructType(
 #: parameter is one value, and PostgreSQL's values stop at 1 GB).
 BATCH_BYTES = 64 * 1024 * 1024
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+#: Which message of a batch enqueue_many refused, in its error ("message 3 of 500: …").
+_WHICH = re.compile(r"^enqueue_many: message (\d+) of \d+: ")
+#: How many skipped rows a run keeps to tell (the replays table keeps the first 100 too).
+KEEP_SKIPPED = 100
 
 Progress = Callable[[int], object]
 Say = Callable[[str], object]
@@ -80,6 +85,10 @@ class Selection:
         for bound in (self.since, self.until):
             if bound is not None and bound.tzinfo is None:
                 raise errors.InvalidArgument("a replay's time bounds must be timezone-aware")
+            if bound is not None and not 2 <= bound.astimezone(UTC).year <= 9998:
+                raise errors.InvalidArgument(
+                    f"a replay's time bound must be within years 2–9998, not {bound}"
+                )
         if self.since is not None and self.until is not None and self.since >= self.until:
             raise errors.InvalidArgument("--since must be before --until")
         for name in ("to_exchange", "to_routing_key"):
@@ -149,7 +158,7 @@ def selected(
     if selection.since is not None:
         until = selection.until or datetime.now(UTC)
         # Published before `until`: its day is the last only if `until` is past midnight.
-        days = _days(_day(selection.since), _day(until - timedelta(microseconds=1)))
+        days = (_day(selection.since), _day(until - timedelta(microseconds=1)))
     data = read(spark, table_path(lake, "archive"), schema=SCHEMA, days=days)
     if data is None:
         return None
@@ -201,7 +210,9 @@ class Outcome:
 
     selected: int  # past the replay's position when the run began
     enqueued: int = 0
-    skipped: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)  # id, msg, why
+    skipped: int = 0
+    #: The first KEEP_SKIPPED rows skipped: lake id, original message_id, reason.
+    first_skipped: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)
 
 
 def replay(
@@ -231,28 +242,30 @@ def replay(
         sender.send(chunk)
         total += len(chunk)
         progress(len(chunk))
-        ahead = started + (sender.enqueued + len(sender.skipped)) / rate - time.monotonic()
+        ahead = started + (sender.enqueued + sender.skipped) / rate - time.monotonic()
         if ahead > 0:
             sleep(ahead)
-    return Outcome(total, sender.enqueued, sender.skipped)
+    return Outcome(total, sender.enqueued, sender.skipped, sender.first_skipped)
 
 
-def message_id(name: str, original: str) -> uuid.UUID:
-    """The id replay `name` gives the message that had `original`."""
-    return uuid.uuid5(NAMESPACE, f"{name}/{original}")
+def message_id(name: str, lake_id: int, original: str) -> uuid.UUID:
+    """The id replay `name` gives the message that had `original` and is `lake_id` in the lake."""
+    return uuid.uuid5(NAMESPACE, f"{name}/{lake_id}/{original}")
 
 
 @dataclasses.dataclass
 class _Sender:
     """Sends a replay's rows in order, moving its position: whole batches while the outbox takes
-    them; row by row through a batch it refused, skipping the rows it refuses."""
+    them; past a message it refuses (enqueue_many names it), that message is skipped and the
+    rest of the batch sent again."""
 
     db: ReplayDatabase
     name: str
     selection: Selection
     after: int
     enqueued: int = 0
-    skipped: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)
+    skipped: int = 0
+    first_skipped: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)
 
     def send(self, rows: list[Row]) -> None:
         good: list[tuple[Row, _Message]] = []
@@ -260,7 +273,7 @@ class _Sender:
             if row.id <= self.after:
                 continue  # at or behind the position: done before (never expected)
             try:
-                good.append((row, _message(self.name, self.selection, row)))
+                good.append((row, _message(self.name, row)))
             except errors.InvalidMessage as exc:
                 self._batch(good)
                 good = []
@@ -268,30 +281,48 @@ class _Sender:
         self._batch(good)
 
     def _batch(self, rows: list[tuple[Row, _Message]]) -> None:
-        if not rows:
-            return
-        try:
-            self._enqueue(rows)
-        except errors.InvalidMessage:
-            for one in rows:
-                try:
-                    self._enqueue([one])
-                except errors.InvalidMessage as exc:
-                    self._skip(one[0], str(exc))
+        while rows:
+            try:
+                self._enqueue(rows)
+                return
+            except errors.InvalidMessage as exc:
+                which = _WHICH.match(str(exc))
+                bad = int(which.group(1)) - 1 if which and len(rows) > 1 else 0
+                if not 0 <= bad < len(rows):
+                    bad = 0
+                if bad > 0:
+                    self._enqueue(rows[:bad])  # refused for a later message: these are fine
+                reason = str(exc) if len(rows) == 1 or which else None
+                if reason is None:  # refused, and not saying which: find it one by one
+                    self._one_by_one(rows)
+                    return
+                self._skip(rows[bad][0], _WHICH.sub("", reason))
+                rows = rows[bad + 1 :]
+
+    def _one_by_one(self, rows: list[tuple[Row, _Message]]) -> None:
+        for one in rows:
+            try:
+                self._enqueue([one])
+            except errors.InvalidMessage as exc:
+                self._skip(one[0], str(exc))
 
     def _enqueue(self, rows: list[tuple[Row, _Message]]) -> None:
         ids = [row.id for row, _ in rows]
         messages = [m for _, m in rows]
+        exchange, routing_key = self.selection.to_exchange, self.selection.to_routing_key
         self.enqueued += self.db.enqueue(
             self.name,
             Batch(
                 after=self.after,
                 ids=ids,
-                exchanges=[m.exchange for m in messages],
-                routing_keys=[m.routing_key for m in messages],
+                exchanges=[m.exchange if exchange is None else exchange for m in messages],
+                routing_keys=[
+                    m.routing_key if routing_key is None else routing_key for m in messages
+                ],
                 bodies=[m.body for m in messages],
-                headers=[Jsonb(m.headers) for m in messages],
-                properties=[Jsonb(m.properties) for m in messages],
+                headers=[m.headers for m in messages],
+                provenance=[Jsonb(m.provenance) for m in messages],
+                properties=[m.properties for m in messages],
                 ordering_keys=[m.ordering_key for m in messages],
                 message_ids=[m.message_id for m in messages],
             ),
@@ -299,53 +330,69 @@ class _Sender:
         self.after = ids[-1]
 
     def _skip(self, row: Row, reason: str) -> None:
-        self.db.skip(self.name, self.after, row.id, row.message_id, reason)
+        self.db.skip(self.name, self.after, row.id, str(row.message_id), reason)
         self.after = row.id
-        self.skipped.append((row.id, row.message_id, reason))
+        self.skipped += 1
+        if len(self.first_skipped) < KEEP_SKIPPED:
+            self.first_skipped.append((row.id, str(row.message_id), reason))
 
 
 @dataclasses.dataclass(frozen=True)
 class _Message:
+    """A lake row as the message it becomes (its headers and properties as the lake's JSON text,
+    merged with the provenance in PostgreSQL, so no value passes through Python's floats)."""
+
     exchange: str
     routing_key: str
     body: bytes
-    headers: dict[str, Any]
-    properties: dict[str, Any]
+    headers: str
+    provenance: dict[str, str]
+    properties: str
     ordering_key: str | None
     message_id: uuid.UUID
 
 
-def _message(name: str, selection: Selection, row: Row) -> _Message:
-    """What lake row `row` becomes; InvalidMessage if its headers or properties are not JSON
-    objects (as the outbox never stores them, but a lake is files anyone can write)."""
-    provenance = {
-        "x-replay": name,
-        "x-replay-of": row.message_id,
-        "x-replay-published-at": _utc(row.published_at).isoformat(),
-        "x-replay-exchange": row.exchange,
-        "x-replay-routing-key": row.routing_key,
-    }
+def _message(name: str, row: Row) -> _Message:
+    """What lake row `row` becomes; InvalidMessage if it cannot become one (the outbox never
+    stores such a row, but a lake is files anyone can write)."""
+    if row.body is None or row.published_at is None or row.exchange is None:
+        raise errors.InvalidMessage("its body, exchange or publish time is missing in the lake")
     return _Message(
-        exchange=row.exchange if selection.to_exchange is None else selection.to_exchange,
-        routing_key=(
-            row.routing_key if selection.to_routing_key is None else selection.to_routing_key
-        ),
+        exchange=row.exchange,
+        routing_key=row.routing_key or "",
         body=bytes(row.body),
-        headers={**_object(row.headers, "headers"), **provenance},
+        headers=_object(row.headers, "headers"),
+        provenance={
+            "x-replay": name,
+            "x-replay-of": str(row.message_id),
+            "x-replay-published-at": _utc(row.published_at).isoformat(),
+            "x-replay-exchange": row.exchange,
+            "x-replay-routing-key": row.routing_key or "",
+        },
         properties=_object(row.properties, "properties"),
         ordering_key=row.ordering_key,
-        message_id=message_id(name, row.message_id),
+        message_id=message_id(name, row.id, str(row.message_id)),
     )
 
 
-def _object(text: str | None, column: str) -> dict[str, Any]:
+def _object(text: str | None, column: str) -> str:
+    """`text` if it is a JSON object PostgreSQL's jsonb takes (no NaN or Infinity, no NUL);
+    InvalidMessage otherwise."""
+    if not text:
+        return "{}"
     try:
-        loaded = json.loads(text) if text else {}
+        loaded = json.loads(text, parse_constant=_no_constant)
     except ValueError:
         loaded = None
     if not isinstance(loaded, dict):
         raise errors.InvalidMessage(f"its {column} in the lake are not a JSON object")
-    return loaded
+    if "\\u0000" in text or "\x00" in text:
+        raise errors.InvalidMessage(f"its {column} in the lake hold a NUL character")
+    return text
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON PostgreSQL takes")
 
 
 def _chunks(rows: Iterable[Row], size: int) -> Iterator[list[Row]]:
@@ -368,7 +415,3 @@ def _utc(moment: datetime) -> datetime:
 
 def _day(moment: datetime) -> date:
     return moment.astimezone(UTC).date()
-
-
-def _days(first: date, last: date) -> list[date]:
-    return [first + timedelta(days=n) for n in range((last - first).days + 1)]

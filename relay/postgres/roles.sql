@@ -22,8 +22,8 @@ GRANT EXECUTE ON FUNCTION
     -- Replays from the lake (`pipeline replay`, migration 0021) enqueue, so they run as producers;
     -- these functions enqueue through enqueue_many and keep each replay's position.
     {schema}.start_replay(text, jsonb, boolean),
-    {schema}.replay_batch(text, bigint, bigint[], text[], text[], bytea[], jsonb[], jsonb[], text[],
-                          uuid[]),
+    {schema}.replay_batch(text, bigint, bigint[], text[], text[], bytea[], text[], jsonb[], text[],
+                          text[], uuid[]),
     {schema}.replay_skip(text, bigint, bigint, text, text)
 TO {producer};
 

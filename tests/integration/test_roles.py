@@ -290,7 +290,7 @@ def test_replays_from_the_lake_run_as_producers_through_their_functions(
     q = f'"{s.schema}"'
     one_batch = (
         f"SELECT {q}.replay_batch('r1', 0, ARRAY[7::bigint], ARRAY['x'], ARRAY['r'],"
-        " ARRAY['{}'::bytea], ARRAY['{\"x-replay\": \"r1\"}'::jsonb], ARRAY['{}'::jsonb],"
+        " ARRAY['{}'::bytea], ARRAY['{}'], ARRAY['{\"x-replay\": \"r1\"}'::jsonb], ARRAY['{}'],"
         " ARRAY[NULL::text], ARRAY[gen_random_uuid()])"
     )
     with psycopg.connect(s.url("producer")) as conn:
@@ -311,3 +311,23 @@ def test_replays_from_the_lake_run_as_producers_through_their_functions(
             f"SELECT {q}._replay_moves('r1', 8, 9)",
         ):
             forbidden(s.url(job), statement)
+    # A replay belongs to the login that started it: another producer login can neither see
+    # it, nor continue it, nor skip through it (nor take over a name an operator will use).
+    other = f"{s.schema}_other_login"
+    with psycopg.connect(s.owner_url, autocommit=True) as conn:
+        conn.execute(
+            psycopg.sql.SQL("CREATE ROLE {} LOGIN IN ROLE {}").format(
+                psycopg.sql.Identifier(other), psycopg.sql.Identifier(f"{s.schema}_producer")
+            )
+        )
+    try:
+        url = s.url("producer").replace(f"{s.schema}_producer_login@", f"{other}@")
+        for statement in (
+            f"SELECT * FROM {q}.start_replay('r1', NULL, false)",
+            f"SELECT {q}.replay_skip('r1', 8, 9223372036854775807, 'x', 'sabotage')",
+            one_batch.replace("'r1', 0", "'r1', 8"),
+        ):
+            forbidden(url, statement)
+    finally:
+        with psycopg.connect(s.owner_url, autocommit=True) as conn:
+            conn.execute(psycopg.sql.SQL("DROP ROLE {}").format(psycopg.sql.Identifier(other)))

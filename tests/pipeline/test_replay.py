@@ -21,6 +21,7 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 from pyspark.sql import Row, SparkSession
+from pyspark.sql import types as T
 
 from relay.core import config, errors
 from relay.core.filters import when
@@ -144,7 +145,7 @@ async def test_a_replay_sends_exactly_its_selection_with_provenance_in_key_order
         say=quiet,
         spark=spark,
     )
-    assert (outcome.selected, outcome.enqueued, outcome.skipped) == (len(chosen), len(chosen), [])
+    assert (outcome.selected, outcome.enqueued, outcome.skipped) == (len(chosen), len(chosen), 0)
 
     async with inprocess.running(inprocess.settings_for(database_url, amqp_url)):
         received = await broker.collect(len(chosen), settle=1.0)
@@ -154,7 +155,8 @@ async def test_a_replay_sends_exactly_its_selection_with_provenance_in_key_order
     keys: dict[str, list[datetime]] = defaultdict(list)
     for m in received:
         original = by_original[m.headers["x-replay-of"]]
-        assert m.message_id == str(replay.message_id("bootstrap", original["message_id"]))
+        expected_id = replay.message_id("bootstrap", original["id"], original["message_id"])
+        assert m.message_id == str(expected_id)
         assert m.message_id != original["message_id"]
         assert m.routing_key == original["routing_key"]
         assert m.body == bytes(original["body"])
@@ -328,9 +330,10 @@ def test_messages_the_outbox_refuses_today_are_skipped_and_recorded(
         say=said.append,
         spark=spark,
     )
-    assert [lake_id for lake_id, _, _ in outcome.skipped] == too_big
+    assert outcome.skipped == len(too_big)
+    assert [lake_id for lake_id, _, _ in outcome.first_skipped] == too_big
     assert outcome.enqueued == len(chosen) - len(too_big)
-    assert all("max_body_bytes" in why or "bytes" in why for _, _, why in outcome.skipped)
+    assert all("limit is 500 bytes" in why for _, _, why in outcome.first_skipped), outcome
     assert any(f"{len(too_big)} messages skipped" in line for line in said)
     ((skipped, skips, position),) = rows(
         database_url, "SELECT skipped, skips, position FROM outbox.replays WHERE name = 'limits'"
@@ -346,35 +349,115 @@ def test_messages_the_outbox_refuses_today_are_skipped_and_recorded(
         say=quiet,
         spark=spark,
     )
-    assert (again.selected, again.enqueued, again.skipped) == (0, 0, [])
+    assert (again.selected, again.enqueued, again.skipped) == (0, 0, 0)
 
 
-def test_a_lake_row_becomes_its_message_with_provenance_and_its_target() -> None:
+def test_a_lake_row_becomes_its_message_with_provenance() -> None:
     row = Row(
         id=7,
         message_id="0b9e7f8a-3c1d-4e5f-8a9b-0c1d2e3f4a5b",
         exchange="orders",
         routing_key="order.paid",
         body=bytearray(b"{}"),
-        headers='{"tenant": "t1", "x-replay": "older"}',
+        headers='{"tenant": "t1", "x-replay": "older", "precise": 0.12345678901234567890123}',
         properties='{"content_type": "application/json"}',
         ordering_key="customer-1",
         published_at=datetime(2026, 11, 20, 23, 59, 59, 999999, tzinfo=UTC),
     )
-    # '' is AMQP's default exchange: a target like any other, not "no target".
-    message = replay._message("r", replay.Selection(to_exchange="", to_routing_key=""), row)
-    assert (message.exchange, message.routing_key) == ("", "")
-    assert message.headers["tenant"] == "t1"
-    assert message.headers["x-replay"] == "r"  # the newest replay names itself
-    assert message.headers["x-replay-of"] == row.message_id
-    assert message.headers["x-replay-published-at"] == "2026-11-20T23:59:59.999999+00:00"
-    assert message.message_id == replay.message_id("r", row.message_id)
-    assert message.message_id != replay.message_id("s", row.message_id)
-    kept = replay._message("r", replay.Selection(), row)
-    assert (kept.exchange, kept.routing_key) == ("orders", "order.paid")
-    for bad in ("[1]", "null", "not json"):
+    message = replay._message("r", row)
+    assert message.headers == row.headers  # as the lake holds it: merged in PostgreSQL
+    assert message.provenance["x-replay"] == "r"  # the newest replay names itself
+    assert message.provenance["x-replay-of"] == row.message_id
+    assert message.provenance["x-replay-published-at"] == "2026-11-20T23:59:59.999999+00:00"
+    assert message.message_id == replay.message_id("r", 7, row.message_id)
+    assert message.message_id not in (
+        replay.message_id("s", 7, row.message_id),
+        replay.message_id("r", 8, row.message_id),  # the same id reused by a later message
+    )
+    for bad in ("[1]", "null", "not json", '{"a": NaN}', '{"a": "\\u0000"}'):
         with pytest.raises(errors.InvalidMessage, match="headers in the lake"):
-            replay._message("r", replay.Selection(), Row(**{**row.asDict(), "headers": bad}))
+            replay._message("r", Row(**{**row.asDict(), "headers": bad}))
+    with pytest.raises(errors.InvalidMessage, match="missing"):
+        replay._message("r", Row(**{**row.asDict(), "body": None}))
+
+
+def lake_rows(spark: SparkSession, *rows: dict[str, Any]) -> Any:
+    columns = [f.name for f in replay.SCHEMA.fields if f.name not in ("day", "id_range")]
+    schema = T.StructType([f for f in replay.SCHEMA.fields if f.name in columns])
+    return spark.createDataFrame([tuple(r[c] for c in columns) for r in rows], schema)
+
+
+def lake_row(lake_id: int, message_id: str, **overrides: Any) -> dict[str, Any]:
+    row = {
+        "id": lake_id,
+        "message_id": message_id,
+        "exchange": "orders",
+        "routing_key": "order.paid",
+        "body": bytearray(b"{}"),
+        "headers": f'{{"n": {lake_id}, "precise": 0.12345678901234567890123}}',
+        "properties": "{}",
+        "ordering_key": None,
+        "published_at": datetime(2026, 11, 1, tzinfo=UTC) + timedelta(seconds=lake_id),
+    }
+    return row | overrides
+
+
+def test_targets_archived_ids_reused_and_exact_headers_all_come_through(
+    spark: SparkSession, database_url: str
+) -> None:
+    """'' is AMQP's default exchange: a target like any other, not "no target". Two archived
+    messages that shared an id (reused after the first was sent) are two replayed messages.
+    Header values go through as the lake holds them (no round trip through floats)."""
+    shared = str(uuid.uuid4())
+    data = lake_rows(
+        spark, lake_row(3, shared), lake_row(4, shared), lake_row(9, str(uuid.uuid4()))
+    )
+    selection = replay.Selection(to_exchange="", to_routing_key="a-queue")
+    with ReplayDatabase.connect(database_url, "outbox") as db:
+        db.start("targets", {"selection": selection.document(), "given": {}})
+        outcome = replay.replay(data, db, "targets", selection, after=0, rate=1e6, batch=10)
+    assert (outcome.enqueued, outcome.skipped) == (3, 0)
+    found = rows(
+        database_url,
+        "SELECT exchange, routing_key, headers->>'x-replay-of', (headers->'precise')::text,"
+        " message_id FROM outbox.messages UNION ALL SELECT exchange, routing_key,"
+        " headers->>'x-replay-of', (headers->'precise')::text, message_id FROM outbox.ready",
+    )
+    assert {(e, r) for e, r, *_ in found} == {("", "a-queue")}
+    assert sorted(of for _, _, of, _, _ in found).count(shared) == 2
+    assert len({m for *_, m in found}) == 3
+    assert {p for _, _, _, p, _ in found} == {"0.12345678901234567890123"}
+
+
+def test_two_first_runs_of_one_replay_use_the_selection_recorded_first(
+    spark: SparkSession,
+    database_url: str,
+    lake: str,
+    archived: list[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Runs A and B of one command both find no replay; A records its selection (its `--since
+    7d` resolved a moment before B's) and B's start returns A's row: B must replay A's selection,
+    not the rows it selected with its own times (it would move the position past rows of A's
+    that it never sent)."""
+    given = {"since": "4d", "until": None}
+    a_selection = replay.Selection(since=day(4))
+    with ReplayDatabase.connect(database_url, "outbox") as db:
+        db.start("racing", {"selection": a_selection.document(), "given": given})
+    monkeypatch.setattr(ReplayDatabase, "find", lambda self, name: None)  # B looked before A
+    b_selection = replay.Selection(since=day(1))
+    outcome = jobs.replay_lake(
+        settings(database_url, lake),
+        b_selection,
+        name="racing",
+        given=given,
+        say=quiet,
+        spark=spark,
+    )
+    expected = [r for r in originals(archived) if r["published"] >= day(4)]
+    assert outcome.enqueued == len(expected)
+    replayed = sorted(h["x-replay-of"] for h in waiting(database_url, "racing"))
+    assert replayed == sorted(r["message_id"] for r in expected)
 
 
 # The orders of events around a replay's position (the fence of its batches).
@@ -389,8 +472,9 @@ def batch(after: int, first: int, n: int, key: str | None = None) -> Batch:
         exchanges=["x"] * n,
         routing_keys=["r"] * n,
         bodies=[b"{}"] * n,
-        headers=[Jsonb({"x-replay": "fence"})] * n,
-        properties=[Jsonb({})] * n,
+        headers=["{}"] * n,
+        provenance=[Jsonb({"x-replay": "fence"})] * n,
+        properties=["{}"] * n,
         ordering_keys=[key] * n,
         message_ids=[uuid.uuid4() for _ in range(n)],
     )
@@ -407,7 +491,7 @@ def started(url: str) -> None:
 
 def raw_batch(conn: psycopg.Connection[Any], b: Batch) -> None:
     conn.execute(
-        "SELECT outbox.replay_batch('fence', %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+        "SELECT outbox.replay_batch('fence', %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
         (
             b.after,
             b.ids,
@@ -415,6 +499,7 @@ def raw_batch(conn: psycopg.Connection[Any], b: Batch) -> None:
             b.routing_keys,
             b.bodies,
             b.headers,
+            b.provenance,
             b.properties,
             b.ordering_keys,
             b.message_ids,

@@ -48,14 +48,14 @@ WHERE a.id = l.id AND a.message_id = l.message_id;
 -- name: replay_start
 -- A replay from the lake (migration 0021): started with this selection if it is new and
 -- `create`; its row either way (none if it is not there).
-SELECT position, enqueued, skipped, skips, selection, started_at
+SELECT position, enqueued, skipped, skips, selection, started_by, started_at
 FROM {schema}.start_replay(%(name)s, %(selection)s, %(create)s);
 
 -- name: replay_batch
 -- One batch of a replay, enqueued and its position moved, in one transaction (fenced by `after`).
 SELECT {schema}.replay_batch(%(name)s, %(after)s, %(ids)s, %(exchanges)s, %(routing_keys)s,
-                             %(bodies)s, %(headers)s, %(properties)s, %(ordering_keys)s,
-                             %(message_ids)s);
+                             %(bodies)s, %(headers)s, %(provenance)s, %(properties)s,
+                             %(ordering_keys)s, %(message_ids)s);
 
 -- name: replay_skip
 -- One lake row the outbox refused, skipped with its reason (fenced by `after`).
