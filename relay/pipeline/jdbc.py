@@ -28,7 +28,8 @@ _IGNORED = frozenset({"host", "hostaddr", "port", "dbname", "user", "password"})
 def target(database_url: str, *, pooled: bool = False) -> tuple[str, dict[str, str]]:
     """The JDBC URL (without credentials) and the connection properties (user, password, TLS…)
     for `database_url`; `pooled` (a transaction pooler on the way): no server-side prepared
-    statements. ConfigError for what JDBC cannot do (a Unix socket, an unknown option)."""
+    statements (otherwise binary transfer from the first fetch). ConfigError for what JDBC
+    cannot do (a Unix socket, an unknown option)."""
     try:
         params = psycopg.conninfo.conninfo_to_dict(database_url)
     except psycopg.ProgrammingError as exc:
@@ -57,8 +58,10 @@ def target(database_url: str, *, pooled: bool = False) -> tuple[str, dict[str, s
             raise errors.ConfigError(
                 f"OUTBOX_DATABASE_URL parameter {name!r} has no JDBC equivalent the pipeline knows"
             )
-    if pooled:
-        properties["prepareThreshold"] = "0"
+    # Binary transfer from the first fetch (-1): timestamps and bytea arrive as bytes, not text
+    # to parse (a tenth of the export's CPU in a profile, docs/decisions/0007); it needs a named
+    # server-side statement, which a transaction pooler cannot keep: there, none (0).
+    properties["prepareThreshold"] = "0" if pooled else "-1"
     servers = ",".join(f"{h}:{p or 5432}" for h, p in zip(hosts, ports, strict=True))
     return f"jdbc:postgresql://{servers}/{quote(dbname, safe='')}", properties
 

@@ -2,13 +2,14 @@
 process without Spark (not part of the test suite).
 
     .venv/bin/python tests/benchmarks/pipeline.py [--rows 1000000] [--master local[2]]
+                                                  [--skip-prune]
 
 It creates a scratch database whose archive holds `--rows` rows (200-byte bodies, ten days) and
 whose dead table holds 1 % as many, then, each in a fresh process so that peak memory is its
 own:
 
-- baseline: the same export without Spark: psycopg COPY in id chunks → pyarrow → Parquet
-  partitioned by day;
+- baseline: the same export (archive and dead) without Spark: psycopg COPY in id chunks →
+  pyarrow → Parquet partitioned by day;
 - spark: `export`, `report` and `prune` as `outbox-relay pipeline all` runs them, timed per
   phase, with the JVM's and Python's peak resident memory.
 
@@ -36,8 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.support import services
 
-COLUMNS = ["id", "message_id", "exchange", "routing_key", "body", "headers", "properties"]
-COLUMNS += ["ordering_key", "attempts", "created_at", "published_at", "ambiguous", "seq"]
+COMMON = ["id", "message_id", "exchange", "routing_key", "body", "headers", "properties"]
+COMMON += ["ordering_key", "attempts", "created_at"]
+ARCHIVE = [*COMMON, "published_at", "ambiguous", "seq"]
+DEAD = [*COMMON, "failed_at", "reason", "detail"]
 
 
 def fill(url: str, rows: int) -> datetime:
@@ -77,43 +80,48 @@ def fill(url: str, rows: int) -> datetime:
 
 
 def baseline(url: str, lake: Path, chunk: int = 100_000) -> dict[str, Any]:
-    """The archive export in this process: COPY → pyarrow → Parquet partitioned by day."""
+    """The export in this process, archive and dead as Spark's does: COPY → pyarrow → Parquet
+    partitioned by day."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.csv as pv
     import pyarrow.parquet as pq
 
     started = time.perf_counter()
-    types = {name: pa.string() for name in ("message_id", "body", "headers", "properties")}
-    types |= {name: pa.timestamp("us", tz="UTC") for name in ("created_at", "published_at")}
     written = 0
     with psycopg.connect(url) as conn:
-        (last,) = conn.execute("SELECT coalesce(max(id), 0) FROM outbox.archive").fetchone() or (0,)
-        for lo in range(0, last, chunk):
-            buffer = io.BytesIO()
-            with conn.cursor().copy(
-                "COPY (SELECT id, message_id, exchange, routing_key, encode(body, 'hex'),"
-                " headers::text, properties::text, ordering_key, attempts,"
-                " to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'),"
-                " to_char(published_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'),"
-                " ambiguous, seq FROM outbox.archive WHERE id > %s AND id <= %s)"
-                " TO STDOUT (FORMAT csv)",
-                (lo, lo + chunk),
-            ) as copy:
-                for data in copy:
-                    buffer.write(data)
-            buffer.seek(0)
-            table = pv.read_csv(
-                buffer,
-                read_options=pv.ReadOptions(column_names=COLUMNS),
-                convert_options=pv.ConvertOptions(column_types=types),
-            )
-            body = pa.array([bytes.fromhex(h) for h in table["body"].to_pylist()], pa.binary())
-            table = table.set_column(COLUMNS.index("body"), "body", body)
-            day = pc.strftime(table["published_at"], format="%Y-%m-%d")
-            table = table.append_column("day", day)
-            pq.write_to_dataset(table, str(lake / "archive"), partition_cols=["day"])
-            written += table.num_rows
+        for table, columns, when in (
+            ("archive", ARCHIVE, "published_at"),
+            ("dead", DEAD, "failed_at"),
+        ):
+            types = {name: pa.string() for name in ("message_id", "body", "headers", "properties")}
+            types |= {
+                name: pa.timestamp("us", tz="UTC") for name in columns if name.endswith("_at")
+            }
+            select = ", ".join(_as_text(name) for name in columns)
+            query = f"SELECT coalesce(max(id), 0) FROM outbox.{table}"
+            (last,) = conn.execute(query.encode()).fetchone() or (0,)
+            for lo in range(0, last, chunk):
+                buffer = io.BytesIO()
+                copy = (
+                    f"COPY (SELECT {select} FROM outbox.{table} WHERE id > %s AND id <= %s)"
+                    " TO STDOUT (FORMAT csv)"
+                )
+                with conn.cursor().copy(copy.encode(), (lo, lo + chunk)) as rows:
+                    for data in rows:
+                        buffer.write(data)
+                buffer.seek(0)
+                frame = pv.read_csv(
+                    buffer,
+                    read_options=pv.ReadOptions(column_names=columns),
+                    convert_options=pv.ConvertOptions(column_types=types),
+                )
+                body = pa.array([bytes.fromhex(h) for h in frame["body"].to_pylist()], pa.binary())
+                frame = frame.set_column(columns.index("body"), "body", body)
+                day = pc.strftime(frame[when], format="%Y-%m-%d")
+                frame = frame.append_column("day", day)
+                pq.write_to_dataset(frame, str(lake / table), partition_cols=["day"])
+                written += frame.num_rows
     return {
         "rows": written,
         "seconds": time.perf_counter() - started,
@@ -121,7 +129,19 @@ def baseline(url: str, lake: Path, chunk: int = 100_000) -> dict[str, Any]:
     }
 
 
-def spark(url: str, lake: Path, report: Path, master: str, cutoff: datetime) -> dict[str, Any]:
+def _as_text(column: str) -> str:
+    if column == "body":
+        return "encode(body, 'hex')"
+    if column in ("headers", "properties"):
+        return f"{column}::text"
+    if column.endswith("_at"):
+        return f"to_char({column} AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')"
+    return column
+
+
+def spark(
+    url: str, lake: Path, report: Path, master: str, cutoff: datetime, *, pruning: bool = True
+) -> dict[str, Any]:
     """export, report and prune as the pipeline runs them, timed per phase."""
     from relay.core import config
     from relay.pipeline import charts, session
@@ -141,10 +161,12 @@ def spark(url: str, lake: Path, report: Path, master: str, cutoff: datetime) -> 
         figures["rows"] = export(s, where, source, db, cutoff, chunk=settings.export_chunk)
         figures["export_seconds"] = time.perf_counter() - phase
         phase = time.perf_counter()
-        charts.write(reporting.build(s, where), report, where)
+        built = reporting.build(s, where)
+        figures["tables_seconds"] = time.perf_counter() - phase
+        charts.write(built, report, where)
         figures["report_seconds"] = time.perf_counter() - phase
         phase = time.perf_counter()
-        figures["pruned"] = prune(s, where, db).deleted
+        figures["pruned"] = prune(s, where, db).deleted if pruning else 0
         figures["prune_seconds"] = time.perf_counter() - phase
         jvm = s.sparkContext._gateway.proc.pid  # type: ignore[union-attr]
         figures["jvm_peak_mib"] = _peak_kib(jvm) / 1024
@@ -164,6 +186,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000, help="archived rows")
     parser.add_argument("--master", default="local[2]", help="Spark master")
+    parser.add_argument(
+        "--skip-prune", action="store_true", help="no prune (paced: 10 minutes at 10,000,000)"
+    )
     parser.add_argument("--phase", choices=["baseline", "spark"], help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--lake", help=argparse.SUPPRESS)
@@ -175,7 +200,10 @@ def main() -> None:
     if args.phase == "spark":
         report = Path(args.lake).with_name("report")
         cutoff = datetime.fromisoformat(args.cutoff)
-        print(json.dumps(spark(args.url, Path(args.lake), report, args.master, cutoff)))
+        figures = spark(
+            args.url, Path(args.lake), report, args.master, cutoff, pruning=not args.skip_prune
+        )
+        print(json.dumps(figures))
         return
     with (
         services.discover() as svc,
@@ -190,15 +218,23 @@ def main() -> None:
         )
         base = _phase("baseline", url, Path(scratch, "baseline", "lake"), cutoff, args.master)
         print(
-            f"baseline (COPY → pyarrow → Parquet, one process): {base['rows']:,} rows in "
+            f"baseline (COPY → pyarrow → Parquet, one process): {base['rows']:,} rows "
+            "(archive and dead) in "
             f"{base['seconds']:.1f}s, Python peak {base['python_peak_mib']:.0f} MiB"
         )
-        run = _phase("spark", url, Path(scratch, "spark", "lake"), cutoff, args.master)
+        extra = ["--skip-prune"] if args.skip_prune else []
+        run = _phase("spark", url, Path(scratch, "spark", "lake"), cutoff, args.master, *extra)
         print(
             f"spark on {args.master}: start {run['start_seconds']:.1f}s, export "
             f"{run['rows']:,} rows (archive and dead) in {run['export_seconds']:.1f}s, report "
-            f"{run['report_seconds']:.1f}s, prune {run['pruned']:,} rows in "
-            f"{run['prune_seconds']:.1f}s (paced: 1,000 rows per transaction, 50 ms apart)"
+            f"{run['report_seconds']:.1f}s (its tables {run['tables_seconds']:.1f}s, then the "
+            "charts), "
+            + (
+                "no prune"
+                if args.skip_prune
+                else f"prune {run['pruned']:,} rows in {run['prune_seconds']:.1f}s (paced: "
+                "1,000 rows per transaction, 50 ms apart)"
+            )
         )
         print(
             f"spark total {run['total_seconds']:.1f}s; peak memory: JVM "
@@ -207,7 +243,9 @@ def main() -> None:
         print(f"export time, spark / baseline: {run['export_seconds'] / base['seconds']:.2f}x")
 
 
-def _phase(name: str, url: str, lake: Path, cutoff: datetime, master: str) -> dict[str, Any]:
+def _phase(
+    name: str, url: str, lake: Path, cutoff: datetime, master: str, *extra: str
+) -> dict[str, Any]:
     lake.parent.mkdir(parents=True)
     done = subprocess.run(
         [
@@ -223,6 +261,7 @@ def _phase(name: str, url: str, lake: Path, cutoff: datetime, master: str) -> di
             cutoff.isoformat(),
             "--master",
             master,
+            *extra,
         ],
         capture_output=True,
         text=True,

@@ -287,3 +287,18 @@ def test_the_manifest_lists_what_each_range_reached(spark: SparkSession, lake: s
     states = manifest.states()
     assert set(states[r]) == {"started", "done"}
     assert states[r]["done"]["rows"] == 990
+
+
+def test_a_local_driver_gets_the_parallel_collector_unless_the_environment_chose_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from relay.pipeline.session import _collector
+
+    for name in ("JAVA_TOOL_OPTIONS", "_JAVA_OPTIONS"):
+        monkeypatch.delenv(name, raising=False)
+    assert _collector() == " -XX:+UseParallelGC"
+    monkeypatch.setenv("_JAVA_OPTIONS", "-Xmx2g -XX:+UseZGC")
+    assert _collector() == ""  # the JVM refuses two collectors
+    monkeypatch.setenv("_JAVA_OPTIONS", "-Xmx2g")
+    monkeypatch.setenv("JAVA_TOOL_OPTIONS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
+    assert _collector() == ""

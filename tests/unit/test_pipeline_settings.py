@@ -28,6 +28,7 @@ def test_a_libpq_url_becomes_a_jdbc_url_and_properties() -> None:
         "sslrootcert": "/etc/ca.pem",
         "ApplicationName": "exporter",
         "connectTimeout": "5",
+        "prepareThreshold": "-1",
     }
 
 
@@ -42,7 +43,7 @@ def test_several_hosts_and_defaults() -> None:
 def test_behind_a_transaction_pooler_jdbc_prepares_nothing() -> None:
     _, direct = jdbc.target("postgresql://app@h/db")
     _, pooled = jdbc.target("postgresql://app@h/db", pooled=True)
-    assert "prepareThreshold" not in direct
+    assert direct["prepareThreshold"] == "-1"  # binary transfer from the first fetch
     assert pooled == direct | {"prepareThreshold": "0"}
 
 
