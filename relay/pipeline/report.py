@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import date
 from typing import Any
 
@@ -19,6 +19,16 @@ def latency() -> Column:
     """Enqueue (created_at, the database's clock) to confirm (published_at: archived right after
     the broker's confirm, the same clock), in seconds."""
     return (F.unix_micros("published_at") - F.unix_micros("created_at")) / 1e6
+
+
+#: The order of each table's rows: most messages first, then by name (names by code point, as
+#: PostgreSQL's "C" collation and Spark order them).
+ORDER: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "by_route": lambda r: (-r["messages"], r["exchange"], r["routing_key"]),
+    "attempts": lambda r: (r["exchange"], r["routing_key"], r["attempts"]),
+    "dead_by_reason": lambda r: (-r["messages"], r["reason"]),
+    "daily": lambda r: r["day"],
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +76,11 @@ def build(spark: SparkSession, lake: str, since: date | None = None) -> Report:
             if frame is None:
                 found[name] = []
                 continue
+            # Collected, then written from the cache; sorted here, as a few rows (a sort in
+            # Spark is a sampling job and a shuffle more per table).
             frame = frame.cache()
+            found[name] = sorted((row.asDict() for row in frame.collect()), key=ORDER[name])
             frame.write.mode("overwrite").parquet(report_path(lake, name))
-            found[name] = [row.asDict() for row in frame.collect()]
             frame.unpersist()
         if counts is not None:
             counts.unpersist()
@@ -115,27 +127,22 @@ def _by_route(archive: DataFrame | None) -> DataFrame | None:
             F.col("p")[2].alias("p99_seconds"),
             "max_seconds",
         )
-        .orderBy(F.desc("messages"), "exchange", "routing_key")
     )
 
 
 def _attempts(counts: DataFrame | None) -> DataFrame | None:
     if counts is None:
         return None
-    return (
-        counts.groupBy("exchange", "routing_key", "attempts")
-        .agg(F.sum("messages").alias("messages"))
-        .orderBy("exchange", "routing_key", "attempts")
+    return counts.groupBy("exchange", "routing_key", "attempts").agg(
+        F.sum("messages").alias("messages")
     )
 
 
 def _dead_by_reason(dead: DataFrame | None) -> DataFrame | None:
     if dead is None:
         return None
-    return (
-        dead.groupBy("reason")
-        .agg(F.count("*").alias("messages"), F.countDistinct("exchange").alias("exchanges"))
-        .orderBy(F.desc("messages"), "reason")
+    return dead.groupBy("reason").agg(
+        F.count("*").alias("messages"), F.countDistinct("exchange").alias("exchanges")
     )
 
 
@@ -153,4 +160,4 @@ def _daily(counts: DataFrame | None, dead: DataFrame | None) -> DataFrame | None
     for name in ("published", "dead"):
         value = F.coalesce(F.col(name), F.lit(0)) if name in daily.columns else F.lit(0)
         daily = daily.withColumn(name, value)
-    return daily.select("day", "published", "dead").orderBy("day")
+    return daily.select("day", "published", "dead")
