@@ -174,7 +174,7 @@ def replay_command(
     today (e.g. over a since-lowered size limit) is skipped and listed."""
     from relay.core import config
 
-    given = {
+    given: dict[str, Any] = {
         "since": since,
         "until": until,
         "exchange": exchange,
@@ -190,16 +190,11 @@ def replay_command(
     from relay.pipeline import replay
 
     now = datetime.now(UTC)
-    selection = replay.Selection(
-        since=None if since is None else when(since, now),
-        until=when(until, now) if until is not None else now,
-        exchange=exchange,
-        routing_key=routing_key,
-        key=key,
-        to_exchange=to_exchange,
-        to_routing_key=to_routing_key,
-        include_replays=include_replays,
-    )
+    resolved = {
+        "since": None if since is None else when(since, now),
+        "until": now if until is None else when(until, now),
+    }
+    selection = replay.Selection(**{**given, **resolved})
     jobs.replay_lake(
         settings,
         selection,
