@@ -11,8 +11,29 @@ from typing import Any
 
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F  # Spark's own convention
+from pyspark.sql import types as T
 
 from relay.pipeline.lake import read, report_path, table_path
+
+#: What the report reads of the lake's tables: columns every version of them had, given rather
+#: than inferred (inferring reads a file's footer, in a job of its own per table).
+ARCHIVE = T.StructType(
+    [
+        T.StructField("exchange", T.StringType()),
+        T.StructField("routing_key", T.StringType()),
+        T.StructField("attempts", T.IntegerType()),
+        T.StructField("created_at", T.TimestampType()),
+        T.StructField("published_at", T.TimestampType()),
+        T.StructField("day", T.DateType()),
+    ]
+)
+DEAD = T.StructType(
+    [
+        T.StructField("exchange", T.StringType()),
+        T.StructField("reason", T.StringType()),
+        T.StructField("day", T.DateType()),
+    ]
+)
 
 
 def latency() -> Column:
@@ -48,14 +69,15 @@ def build(spark: SparkSession, lake: str, since: date | None = None) -> Report:
 
     Every table is small (a row per route, attempt count, reason or day), so its shuffles run in
     a few partitions, not Spark's default 200 (which cost more than the work on 1,000,000 rows:
-    docs/decisions/0007), and the archive's Parquet is read for the columns they use only."""
+    docs/decisions/0007), and the lake's Parquet is read for the columns they use only, with
+    the schema given (no footer read to infer it)."""
     with _shuffle_partitions(spark, max(4, 2 * spark.sparkContext.defaultParallelism)):
-        archive = _days(read(spark, table_path(lake, "archive")), since)
+        archive = _days(read(spark, table_path(lake, "archive"), schema=ARCHIVE), since)
         if archive is not None:
             archive = archive.select(
                 "exchange", "routing_key", "attempts", "day", latency().alias("latency")
             )
-        dead = _days(read(spark, table_path(lake, "dead")), since)
+        dead = _days(read(spark, table_path(lake, "dead"), schema=DEAD), since)
         # Messages per route, attempt count and day: one scan, a small table, cached for the
         # two tables made from it.
         counts = None
