@@ -183,6 +183,17 @@ def test_every_dashboard_query_names_metrics_the_relay_exports() -> None:
         assert named <= exported, f"{expr}: {named - exported}"
 
 
+def test_every_metric_the_relay_exports_has_a_panel() -> None:
+    """An operator finds every figure the relay exports on the dashboard (the info metric is
+    what its variables list), and the process's memory and CPU beside them."""
+    shown = {name for expr in panel_exprs() for name in selectors(expr)}
+    assert {"process_resident_memory_bytes", "process_cpu_seconds_total"} <= shown
+    for family in metrics.Metrics().registry.collect():
+        if family.type == "info" or not family.name.startswith("outbox_"):
+            continue
+        assert any(name.startswith(family.name) for name in shown), family.name
+
+
 def test_the_dashboard_is_importable() -> None:
     """What Grafana needs to import it as is: the schema version it was written for, one id per
     panel, and panels that do not overlap on the 24-column grid."""
@@ -238,12 +249,17 @@ def test_every_dashboard_query_is_scoped_by_the_variables() -> None:
 def unit_of(expr: str) -> str:
     """The Grafana unit a query's values are in. By the Prometheus naming rule a metric's name
     ends in its base unit, so a `_seconds` gauge, a quantile of a `_seconds` histogram and
-    `time() - …_timestamp_seconds` are seconds ("s"); any other rate() is events per second
+    `time() - …_timestamp_seconds` are seconds ("s"), a rate() of a `_seconds_total` counter a
+    share of a core ("percentunit"), a `_bytes` gauge bytes; any other rate() is events per second
     ("ops"); the rest (gauges, up, increase() over a window, quantiles of a histogram of rows) are
     counts ("short")."""
     names = set(selectors(expr))
+    if "rate(" in expr and any(name.endswith("_seconds_total") for name in names):
+        return "percentunit"  # seconds per second: the share of a core a process spends
     if any(name.endswith(("_seconds", "_seconds_bucket", "_seconds_sum")) for name in names):
         return "s"
+    if any(name.endswith("_bytes") for name in names):
+        return "bytes"
     if "rate(" in expr and not expr.startswith("histogram_quantile("):
         return "ops"
     return "short"
