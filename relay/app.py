@@ -223,7 +223,10 @@ async def run(
                         eventloop.name(),
                     )
                     if until_empty:
-                        return await _drain(parts.relay)
+                        drain = asyncio.create_task(_drain(parts.relay, stop), name="outbox-drain")
+                        process.work = drain
+                        await lifecycle.until_stopped(drain, stop, settings.shutdown_timeout)
+                        return drain.result()
                     process.work = asyncio.create_task(parts.relay.run(stop), name="outbox-relay")
                     await lifecycle.until_stopped(process.work, stop, settings.shutdown_timeout)
                 finally:
@@ -297,10 +300,11 @@ def _pruner(settings: config.Settings, counters: metrics.Metrics) -> Pruner:
     return Pruner(prune, settings.archive_prune_interval, counters)
 
 
-async def _drain(relay: loop.Relay) -> model.CycleReport:
-    report = await relay.run_until_empty()
+async def _drain(relay: loop.Relay, stop: asyncio.Event) -> model.CycleReport:
+    report = await relay.run_until_empty(stop)
     log.info(
-        "no due rows left: %d claimed, %d archived, %d dead",
+        "%s: %d claimed, %d archived, %d dead",
+        "stopped before the backlog was empty" if stop.is_set() else "no due rows left",
         report.claimed,
         report.settled.archived,
         report.settled.dead,

@@ -110,7 +110,8 @@ def roles(**flags: Any) -> None:
 @click.option(
     "--until-empty",
     is_flag=True,
-    help="Exit once no row is due instead of waiting for more (drain mode).",
+    help="Exit once no row is due instead of waiting for more (drain mode); SIGINT/SIGTERM stop "
+    "it as they stop a relay that waits.",
 )
 @fail_cleanly
 def run(until_empty: bool, **flags: Any) -> None:

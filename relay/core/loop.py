@@ -169,16 +169,27 @@ class Relay:
             report = report.combine(await self._work(orphan, seconds, chain=False))
         return report
 
-    async def run_until_empty(self) -> model.CycleReport:
+    async def run_until_empty(self, stop: asyncio.Event | None = None) -> model.CycleReport:
         """Cycle until a cycle finds nothing to do (no due rows, nothing to bury, no keyed row to
-        release); return the sum of the cycles' counts (their measurements went to `on_cycle`)."""
+        release), or until `stop` is set (then as `run` stops: nothing more is claimed, and the
+        batch in flight gets `shutdown_grace` for its confirms); return the sum of the cycles'
+        counts (their measurements went to `on_cycle`)."""
+        stop = stop or asyncio.Event()
         total = model.CycleReport()
+        grace = asyncio.create_task(self._abort_after_grace(stop))
         async with self._keeping():
-            while True:
-                report = await self.run_once()
-                total = total.combine(report.counts())
-                if not (report.claimed or report.buried or report.settled.released):
-                    return total
+            try:
+                while not stop.is_set():
+                    report = await self.run_once()
+                    total = total.combine(report.counts())
+                    if not (report.claimed or report.buried or report.settled.released):
+                        break
+                return total
+            finally:
+                grace.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await grace
+                await self.drop_prefetched()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Cycle until `stop` is set: back-to-back while batches come back full (which sweeps any

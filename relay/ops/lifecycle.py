@@ -7,6 +7,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from relay.core import chores, errors, waiting
 from relay.ops.watch import Watcher
@@ -18,7 +19,7 @@ class Process:
     """What the signal handlers and the probes look at while a relay process runs."""
 
     def __init__(self) -> None:
-        self.work: asyncio.Task[None] | None = None
+        self.work: asyncio.Task[Any] | None = None  # the loop, or a drain (`--until-empty`)
         self.watcher: Watcher | None = None
         self.chores: list[chores.Chore] = []
         self.step = "starting"  # what start-up is doing, for /readyz until the watcher answers
@@ -52,7 +53,7 @@ class Process:
 SETTLE_MARGIN = 10.0
 
 
-async def until_stopped(work: asyncio.Task[None], stop: asyncio.Event, grace: float) -> None:
+async def until_stopped(work: asyncio.Task[Any], stop: asyncio.Event, grace: float) -> None:
     """Wait for `work` (the loop) to end, or for `stop`; then give it `grace` and SETTLE_MARGIN
     to settle what is in flight. A crash of the loop propagates."""
     await waiting.done_or_set(work, stop)

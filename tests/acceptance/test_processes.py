@@ -112,6 +112,41 @@ async def test_sigterm_stops_claiming_settles_the_batch_in_flight_and_exits_zero
     assert len(got) == archived
 
 
+async def test_sigterm_stops_a_drain_until_empty_as_it_stops_a_relay_that_waits(
+    database_url: str, amqp_url: str, broker: Broker
+) -> None:
+    """`run --until-empty` on a backlog that takes a while: SIGTERM ends it after the batch in
+    flight, not after the backlog (it used to ignore the signal and drain on)."""
+    await broker.declare()
+    with psycopg.connect(database_url) as conn:
+        conn.execute(
+            "SELECT outbox.enqueue(%s, 'k', 'body'::bytea) FROM generate_series(1, 30000)",
+            [broker.exchange],
+        )
+        conn.commit()
+    env = relay_env(database_url, amqp_url, OUTBOX_BATCH_SIZE="200")
+    with RelayProcess(env, "--until-empty") as proc:
+        proc.wait_ready()
+        until(
+            lambda: scalar(database_url, "SELECT count(*) FROM outbox.archive") > 0,
+            message="the first batch",
+        )
+        assert proc.stop() == 0, proc.output
+    archived = scalar(database_url, "SELECT count(*) FROM outbox.archive")
+    assert 0 < archived < 30000, "it stopped claiming with most of the backlog left"
+    assert "stopped before the backlog was empty" in proc.output
+    assert (
+        scalar(
+            database_url,
+            "SELECT count(*) FROM outbox.waiting WHERE claim_id IS NOT NULL"
+            " AND available_at > now()",
+        )
+        == 0
+    )
+    got = await broker.collect(archived, settle=0.3)
+    assert len(got) == archived
+
+
 async def test_killed_relay_rows_are_delivered_by_another_after_the_lease(
     database_url: str, amqp_url: str, broker: Broker
 ) -> None:

@@ -57,6 +57,26 @@ async def test_run_until_empty_sweeps_the_whole_backlog() -> None:
     assert report.batch_sizes == ()
 
 
+async def test_run_until_empty_stops_after_the_batch_in_flight_when_told() -> None:
+    """A stop (SIGTERM) during a drain ends it as it ends `run`: the batch in flight is settled,
+    the one claimed ahead is given back, nothing more is claimed."""
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    for _ in range(25):
+        store.add()
+    publisher.gate = asyncio.Event()
+    stop = asyncio.Event()
+    draining = asyncio.create_task(relay_for(store, publisher, batch_size=10).run_until_empty(stop))
+    await publisher.publishing.wait()
+    stop.set()
+    publisher.gate.set()
+    report = await draining
+    assert report.claimed == 10
+    assert report.settled.archived == 10
+    assert publisher.batches == 1
+    assert len(store.rows) == 15
+    assert all(r.claim_id is None and r.available_at <= store.now for r in store.rows.values())
+
+
 @pytest.mark.parametrize(
     ("kind", "reason"),
     [
