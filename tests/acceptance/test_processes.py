@@ -79,18 +79,22 @@ async def test_two_relays_share_5000_messages_without_duplicates(
     assert "stopped cleanly" in second.output
 
 
-async def test_sigterm_stops_claiming_settles_the_batch_in_flight_and_exits_zero(
-    database_url: str, amqp_url: str, broker: Broker
-) -> None:
-    await broker.declare()
-    with psycopg.connect(database_url) as conn:
+def enqueue_backlog(url: str, exchange: str, n: int) -> None:
+    with psycopg.connect(url) as conn:
         conn.execute(
-            "SELECT outbox.enqueue(%s, 'k', 'body'::bytea) FROM generate_series(1, 10000)",
-            [broker.exchange],
+            "SELECT outbox.enqueue(%s, 'k', 'body'::bytea) FROM generate_series(1, %s)",
+            [exchange, n],
         )
         conn.commit()
-    env = relay_env(database_url, amqp_url, OUTBOX_BATCH_SIZE="500")
-    with RelayProcess(env) as proc:
+
+
+async def stop_midway(
+    proc: RelayProcess, database_url: str, broker: Broker, backlog: int
+) -> str:
+    """SIGTERM once the first batch is archived; then check that it stopped with most of the
+    backlog left, settled what it had claimed (nothing stays leased to a relay that is gone) and
+    that the broker has every archived message. Returns the relay's output."""
+    with proc:
         proc.wait_ready()
         until(
             lambda: scalar(database_url, "SELECT count(*) FROM outbox.archive") > 0,
@@ -98,8 +102,7 @@ async def test_sigterm_stops_claiming_settles_the_batch_in_flight_and_exits_zero
         )
         assert proc.stop() == 0, proc.output
     archived = scalar(database_url, "SELECT count(*) FROM outbox.archive")
-    assert 0 < archived < 10000, "it stopped claiming with most of the backlog left"
-    # Whatever it had claimed, it settled: nothing stays leased to a relay that is gone.
+    assert 0 < archived < backlog, "it stopped claiming with most of the backlog left"
     assert (
         scalar(
             database_url,
@@ -110,6 +113,16 @@ async def test_sigterm_stops_claiming_settles_the_batch_in_flight_and_exits_zero
     )
     got = await broker.collect(archived, settle=0.3)
     assert len(got) == archived
+    return proc.output
+
+
+async def test_sigterm_stops_claiming_settles_the_batch_in_flight_and_exits_zero(
+    database_url: str, amqp_url: str, broker: Broker
+) -> None:
+    await broker.declare()
+    enqueue_backlog(database_url, broker.exchange, 10_000)
+    env = relay_env(database_url, amqp_url, OUTBOX_BATCH_SIZE="500")
+    await stop_midway(RelayProcess(env), database_url, broker, 10_000)
 
 
 async def test_sigterm_stops_a_drain_until_empty_as_it_stops_a_relay_that_waits(
@@ -118,33 +131,10 @@ async def test_sigterm_stops_a_drain_until_empty_as_it_stops_a_relay_that_waits(
     """`run --until-empty` on a backlog that takes a while: SIGTERM ends it after the batch in
     flight, not after the backlog (it used to ignore the signal and drain on)."""
     await broker.declare()
-    with psycopg.connect(database_url) as conn:
-        conn.execute(
-            "SELECT outbox.enqueue(%s, 'k', 'body'::bytea) FROM generate_series(1, 30000)",
-            [broker.exchange],
-        )
-        conn.commit()
+    enqueue_backlog(database_url, broker.exchange, 30_000)
     env = relay_env(database_url, amqp_url, OUTBOX_BATCH_SIZE="200")
-    with RelayProcess(env, "--until-empty") as proc:
-        proc.wait_ready()
-        until(
-            lambda: scalar(database_url, "SELECT count(*) FROM outbox.archive") > 0,
-            message="the first batch",
-        )
-        assert proc.stop() == 0, proc.output
-    archived = scalar(database_url, "SELECT count(*) FROM outbox.archive")
-    assert 0 < archived < 30000, "it stopped claiming with most of the backlog left"
-    assert "stopped before the backlog was empty" in proc.output
-    assert (
-        scalar(
-            database_url,
-            "SELECT count(*) FROM outbox.waiting WHERE claim_id IS NOT NULL"
-            " AND available_at > now()",
-        )
-        == 0
-    )
-    got = await broker.collect(archived, settle=0.3)
-    assert len(got) == archived
+    output = await stop_midway(RelayProcess(env, "--until-empty"), database_url, broker, 30_000)
+    assert "stopped before the backlog was empty" in output
 
 
 async def test_killed_relay_rows_are_delivered_by_another_after_the_lease(
