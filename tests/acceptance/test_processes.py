@@ -88,9 +88,7 @@ def enqueue_backlog(url: str, exchange: str, n: int) -> None:
         conn.commit()
 
 
-async def stop_midway(
-    proc: RelayProcess, database_url: str, broker: Broker, backlog: int
-) -> str:
+async def stop_midway(proc: RelayProcess, database_url: str, broker: Broker, backlog: int) -> str:
     """SIGTERM once the first batch is archived; then check that it stopped with most of the
     backlog left, settled what it had claimed (nothing stays leased to a relay that is gone) and
     that the broker has every archived message. Returns the relay's output."""
