@@ -72,12 +72,12 @@ def build(spark: SparkSession, lake: str, since: date | None = None) -> Report:
     docs/decisions/0007), and the lake's Parquet is read for the columns they use only, with
     the schema given (no footer read to infer it)."""
     with _shuffle_partitions(spark, max(4, 2 * spark.sparkContext.defaultParallelism)):
-        archive = _days(read(spark, table_path(lake, "archive"), schema=ARCHIVE), since)
+        archive = _small(_days(read(spark, table_path(lake, "archive"), schema=ARCHIVE), since))
         if archive is not None:
             archive = archive.select(
                 "exchange", "routing_key", "attempts", "day", latency().alias("latency")
             )
-        dead = _days(read(spark, table_path(lake, "dead"), schema=DEAD), since)
+        dead = _small(_days(read(spark, table_path(lake, "dead"), schema=DEAD), since))
         # Messages per route, attempt count and day: one scan, a small table, cached for the
         # two tables made from it.
         counts = None
@@ -122,6 +122,18 @@ def _shuffle_partitions(spark: SparkSession, n: int) -> Iterator[None]:
             spark.conf.unset(key)
         else:
             spark.conf.set(key, before)
+
+
+def _small(data: DataFrame | None) -> DataFrame | None:
+    """`data` in one partition when its files (those of the days read) hold no more than one
+    task's worth of input, `spark.sql.files.maxPartitionBytes`: aggregated there, it needs no
+    shuffle, whose fixed costs are most of a small report's time on a new JVM (a 1,000,000-row
+    lake, about 60 MB: docs/decisions/0007). A bigger lake is read and aggregated in parallel."""
+    if data is None:
+        return None
+    size = data._jdf.queryExecution().optimizedPlan().stats().sizeInBytes()
+    task = data.sparkSession._jsparkSession.sessionState().conf().filesMaxPartitionBytes()
+    return data.coalesce(1) if int(size) <= int(task) else data
 
 
 def _days(data: DataFrame | None, since: date | None) -> DataFrame | None:

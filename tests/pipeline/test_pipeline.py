@@ -115,13 +115,38 @@ def test_timestamps_are_real_utc_timestamps_and_days_are_utc(
     assert row["published_at"] == LAST_MICROSECOND
 
 
+@pytest.fixture(params=["one task", "in parallel"])
+def task_size(request: pytest.FixtureRequest, spark: SparkSession) -> Iterator[str]:
+    """A lake small enough for one task (this one, at Spark's default), and the same lake read
+    and aggregated in parallel, with shuffles (a task's worth of input made 1 kB)."""
+    key = "spark.sql.files.maxPartitionBytes"
+    before = spark.conf.get(key, None)
+    if request.param == "in parallel":
+        spark.conf.set(key, "1k")
+    try:
+        yield request.param
+    finally:
+        if before is None:
+            spark.conf.unset(key)
+        else:
+            spark.conf.set(key, before)
+
+
 def test_report_figures_equal_sql(
-    spark: SparkSession, database_url: str, db: PipelineDatabase, lake: str, tmp_path: Path
+    spark: SparkSession,
+    database_url: str,
+    db: PipelineDatabase,
+    lake: str,
+    tmp_path: Path,
+    task_size: str,
 ) -> None:
     cutoff = fill(database_url)
     export(
         spark, lake, source(database_url), db, datetime.now().astimezone(), chunk=5000, say=quiet
     )
+    archive = report._small(read(spark, table_path(lake, "archive")))
+    assert archive is not None
+    assert (archive.rdd.getNumPartitions() == 1) == (task_size == "one task")
     built = report.build(spark, lake)
     expected_routes = rows(
         database_url,
