@@ -70,7 +70,8 @@ def build(spark: SparkSession, lake: str, since: date | None = None) -> Report:
     Every table is small (a row per route, attempt count, reason or day), so its shuffles run in
     a few partitions, not Spark's default 200 (which cost more than the work on 1,000,000 rows:
     docs/decisions/0007), and the lake's Parquet is read for the columns they use only, with
-    the schema given (no footer read to infer it)."""
+    the schema given (no footer read to infer it); a lake of one task's input is read as one
+    partition, so that they need no shuffle at all (`_small`)."""
     with _shuffle_partitions(spark, max(4, 2 * spark.sparkContext.defaultParallelism)):
         archive = _small(_days(read(spark, table_path(lake, "archive"), schema=ARCHIVE), since))
         if archive is not None:
