@@ -270,6 +270,11 @@ def _chores(settings: config.Settings, parts: Components, watcher: Watcher) -> l
         await upkeep.reclaim(parts.store)
 
     found.append(chores.Chore("reclaim", reclaim, upkeep.RECLAIM_INTERVAL, on_error=failed))
+
+    async def sweep() -> None:
+        await upkeep.sweep(parts.store)
+
+    found.append(chores.Chore("stragglers", sweep, upkeep.SWEEP_INTERVAL, on_error=failed))
     return found
 
 

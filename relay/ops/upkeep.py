@@ -1,4 +1,4 @@
-"""The database's upkeep beside the loop: reclaiming ready-lane segments, forgetting idle keys."""
+"""The database's upkeep beside the loop: the ready lane's stragglers and segments, idle keys."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ log = logging.getLogger("relay.app")  # the name these lines carried before they
 
 #: How often a relay looks for segments of the ready lane to TRUNCATE (docs/decisions/0004).
 RECLAIM_INTERVAL = 5.0
+#: How often a relay moves the ready rows its windows gave up on to messages (docs/decisions/0004).
+SWEEP_INTERVAL = 30.0
 #: How often a relay looks for ordering keys to forget (OUTBOX_KEY_RETENTION).
 KEY_CHECK_INTERVAL = 3600.0
 
@@ -21,6 +23,8 @@ class Upkept(Protocol):
     """What the upkeep asks of the store."""
 
     async def reclaim(self) -> int: ...
+
+    async def sweep_stragglers(self) -> int: ...
 
     async def forget_idle_keys(self, idle_for: float) -> int: ...
 
@@ -34,6 +38,18 @@ async def reclaim(store: Upkept) -> None:
         return
     if reclaimed:
         log.debug("reclaimed %d ready-lane segments", reclaimed)
+
+
+async def sweep(store: Upkept) -> None:
+    """Move the ready lane's stragglers to messages; an outage only postpones it to the next."""
+    try:
+        moved = await store.sweep_stragglers()
+    except errors.TransientError as exc:
+        log.debug("could not sweep the ready lane's stragglers: %s", exc)
+        return
+    if moved:
+        # Rare: each is a row whose claim rolled back after another relay's window passed it.
+        log.info("moved %d ready-lane rows no claim took to messages", moved)
 
 
 async def forget_keys(store: Upkept, retention: float, counters: metrics.Metrics) -> None:

@@ -54,6 +54,8 @@ GRANT EXECUTE ON FUNCTION
     {schema}.extend_leases(uuid, bigint[], float8),
     {schema}.release_orphans(timestamptz, integer),
     {schema}.reclaim_segment(integer),
+    {schema}.lane_start(),
+    {schema}.sweep_stragglers(text, integer),
     {schema}.use_fast_lane(),
     {schema}.lane_gauges()
 TO {relay};

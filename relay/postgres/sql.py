@@ -24,6 +24,8 @@ class Queries:
     extend_leases: LiteralString
     release_orphans: LiteralString
     reclaim_segment: LiteralString
+    lane_start: LiteralString
+    sweep_stragglers: LiteralString
     use_fast_lane: LiteralString
     settle: LiteralString
     settle_then_claim: LiteralString

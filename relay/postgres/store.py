@@ -80,6 +80,7 @@ class PgStore(Readings):
         synchronous_commit: bool = True,
         batch_max_bytes: int = BATCH_MAX_BYTES,
         pooled: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> PgStore:
         """Open a pool and check the schema exists. Raises DatabaseUnavailable or SchemaMissing.
         Claims are always durable before they return; without `synchronous_commit`, settles do
@@ -125,7 +126,7 @@ class PgStore(Readings):
         try:
             with translate_errors(schema):
                 await pool.open(wait=True, timeout=connect_timeout)
-            store = cls(pool, schema, relay_name, batch_max_bytes, synchronous_commit)
+            store = cls(pool, schema, relay_name, batch_max_bytes, synchronous_commit, clock)
             await store.schema_version()
         except BaseException:
             await pool.close()
@@ -160,15 +161,43 @@ class PgStore(Readings):
 
     async def claim(self, limit: int, lease: float) -> model.Claim:
         async with self._claiming:
-            params = {**self._claim_params(limit, lease), **self._window.params()}
-            try:
-                rows = await self._fetch(self._q.claim_batch, params)
-            except errors.DatabaseUnavailable:
-                self._window.forget()
-                raise
+            params = self._claim_params(limit, lease)
+            rows = await self._claim_window(self._q.claim_batch, params)
             trailer = rows.pop()
             self._window.moved(trailer)
         return self._claimed(params["claim_id"], rows, trailer)
+
+    async def _claim_window(self, query: LiteralString, params: dict[str, Any]) -> list[Any]:
+        """Run a claim of the ready lane's window: the window's state goes into `params`. A
+        window that must first ask where it starts (lane_start) asks on the same connection."""
+        try:
+            async with self._connection() as conn:
+                if self._window.needs_start:
+                    cur = await conn.execute(self._q.lane_start)
+                    self._window.start(*await pg.one_row(cur))
+                params.update(self._window.params())
+                cursor = conn.cursor(row_factory=namedtuple_row)
+                await cursor.execute(query, params)
+                return await cursor.fetchall()
+        except errors.DatabaseUnavailable:
+            self._window.forget()
+            raise
+
+    async def sweep_stragglers(self) -> int:
+        """Move the ready rows this relay's windows passed a while ago (window.SWEEP_AFTER) and
+        that still have no claim — each skipped while another claim held it, which then rolled
+        back — to messages, where every relay's claim finds them; how many (migration 0022)."""
+        passed = self._window.passed()
+        moved = 0
+        while passed is not None:
+            async with self._connection() as conn:
+                params = {"passed": passed, "limit": CHUNK}
+                cur = await conn.execute(self._q.sweep_stragglers, params)
+                looked, n = await pg.one_row(cur)
+            moved += int(n)
+            if looked < CHUNK:
+                break
+        return moved
 
     @staticmethod
     def _claimed(claim_id: UUID, rows: list[Any], trailer: Any) -> model.Claim:
@@ -272,15 +301,10 @@ class PgStore(Readings):
             params = {
                 **settle_params(claim_id, settlement, durable),
                 **self._claim_params(limit, lease),
-                **self._window.params(),
             }
             params["next_id"] = params.pop("claim_id")
             params["claim_id"] = claim_id
-            try:
-                rows = await self._fetch(self._q.settle_then_claim, params)
-            except errors.DatabaseUnavailable:
-                self._window.forget()
-                raise
+            rows = await self._claim_window(self._q.settle_then_claim, params)
             settled = rows.pop()
             trailer = rows.pop()
             self._window.moved(trailer)

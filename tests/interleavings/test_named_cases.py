@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 
 from relay.postgres.store import FULL_ORPHAN_PASS_EVERY, LATE_COMMIT
-from relay.postgres.window import FULL_PASS_EVERY, STRAGGLER_WAIT
-from tests.interleavings.world import LEASE, World, reset
+from relay.postgres.window import STRAGGLER_WAIT, SWEEP_AFTER
+from tests.interleavings.world import LEASE, RelayActor, World, reset
 
 
 @pytest.fixture
@@ -225,27 +225,88 @@ def test_rows_of_a_claim_held_open_are_sent_once_it_rolls_back(world: World) -> 
     assert world.finish() == []
 
 
-def test_rows_of_a_claim_held_open_past_the_straggler_wait_wait_for_the_full_pass(
+def test_rows_of_a_claim_held_open_past_the_straggler_wait_are_moved_by_the_sweep(
     world: World,
 ) -> None:
     # The same, but a's claim stays open longer than b waits for a row it cannot claim: b's
     # window closes over the rows, and when a's claim rolls back they are behind it. Nothing may
-    # send them before b's next pass over the whole lane, and that pass must.
+    # send them before b's straggler sweep moves them to messages (SWEEP_AFTER after b's windows
+    # passed them), and then b must, once, as a first attempt.
     a, b = world.relays
     world.commit_now(None, None)
+    give_up_on_held_rows(world, a, b)
+    world.crash(a)
+    for _ in range(3):
+        world.grant(world.until(b, "claim"))
+    assert world.sweep(b) == 0  # b's windows passed them too recently
+    assert world.ledger.sends == []
+    world.advance(SWEEP_AFTER)
+    assert world.sweep(b) == 2
+    world.grant(world.until(b, "publish"), "ack")
+    assert {s.message_id for s in world.ledger.sends} == world.ledger.committed
+    assert [s.attempt for s in world.ledger.sends] == [1, 1]
+    assert world.finish() == []
+
+
+def test_a_sweep_leaves_rows_whose_claim_is_still_open_and_their_claim_sends_them(
+    world: World,
+) -> None:
+    # b gave up on a's rows and sweeps long after, while a's claim is still open (a relay
+    # stalled mid-claim): the sweep must skip them, not wait for them nor take them, and when
+    # a's claim commits after all, a sends them, and no one else.
+    a, b = world.relays
+    world.commit_now(None, None)
+    give_up_on_held_rows(world, a, b)
+    world.advance(SWEEP_AFTER)
+    assert world.sweep(b) == 0
+    world.end_held_claim(world.held_claims[0], "commit")
+    assert world.sweep(b) == 0
+    world.grant(world.until(a, "publish"), "ack")
+    assert {s.relay for s in world.ledger.sends} == {a.name}
+    assert {s.message_id for s in world.ledger.sends} == world.ledger.committed
+    assert world.finish() == []
+
+
+def test_a_sweep_moves_nothing_its_relays_windows_have_not_passed(world: World) -> None:
+    # Rows committed after b's windows last closed wait, unclaimed, however long: a sweep then
+    # must leave them in the ready lane for the windows to claim.
+    a, b = world.relays
+    world.grant(world.until(b, "claim"))  # b's first window: the lane is empty
+    world.commit_now(None, None, None)
+    world.advance(SWEEP_AFTER * 3)
+    assert world.sweep(b) == 0
+    assert world.sweep(a) == 0
+    world.grant(world.until(b, "publish"), "ack")
+    assert {s.message_id for s in world.ledger.sends} == world.ledger.committed
+    assert world.finish() == []
+
+
+def test_a_relay_starting_while_a_claim_holds_rows_takes_them_when_it_rolls_back(
+    world: World,
+) -> None:
+    # A new relay's first window starts at the first row with no committed claim (lane_start):
+    # a's rows, held by its open claim. The window is verified like any other, so it stays on
+    # them while they are held, and when a's claim rolls back the new relay sends them.
+    a, _ = world.relays
+    world.commit_now(None, None)
+    world.hold_claim(world.until(a, "claim"))
+    c = world.start_relay()
+    world.grant(world.until(c, "claim"))
+    world.crash(a)
+    world.grant(world.until(c, "publish"), "ack")
+    assert {s.relay for s in world.ledger.sends} == {c.name}
+    assert {s.message_id for s in world.ledger.sends} == world.ledger.committed
+    assert world.finish() == []
+
+
+def give_up_on_held_rows(world: World, a: RelayActor, b: RelayActor) -> None:
+    """a's claim of every ready row is held open; b's window stays on them past STRAGGLER_WAIT,
+    then closes over them."""
     world.hold_claim(world.until(a, "claim"))
     for _ in range(2):  # the first moves b's cursor onto a's rows; from the second b waits
         world.grant(world.until(b, "claim"))
     world.advance(STRAGGLER_WAIT + 1)
     world.grant(world.until(b, "claim"))  # b gives up on them: its window closes
-    world.crash(a)
-    for _ in range(3):
-        world.grant(world.until(b, "claim"))
-    assert world.ledger.sends == []
-    world.advance(FULL_PASS_EVERY)
-    world.grant(world.until(b, "publish"), "ack")
-    assert {s.message_id for s in world.ledger.sends} == world.ledger.committed
-    assert world.finish() == []
 
 
 def test_a_claim_that_commits_just_after_its_lease_ran_out_is_found_by_the_next_look(

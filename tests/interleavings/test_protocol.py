@@ -1,8 +1,8 @@
 """The relay protocol under interleavings Hypothesis chooses: relays' claims, claims ahead,
 publishes (acked, nacked, returned, lost), settles and claims (also held open, a claim then
-committing or rolling back), heartbeats, lease expiry, graceful stops, crashes and restarts,
-broker outages; producers committing and rolling back, keyed, at READ COMMITTED and REPEATABLE
-READ; operators releasing and replaying keys and changing the policy.
+committing or rolling back), heartbeats, straggler sweeps, lease expiry, graceful stops,
+crashes and restarts, broker outages; producers committing and rolling back, keyed, at READ
+COMMITTED and REPEATABLE READ; operators releasing and replaying keys and changing the policy.
 After every step: no row is held by two live claims, and every send so far was by the claim
 holding the row, from a committed transaction, with no lower attempt after a higher one and
 nothing of a key after its successor. Once the steps stop: everything committed ends published or
@@ -28,6 +28,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from relay.postgres import window
 from tests.interleavings import ledger, world
 
 EXAMPLES = int(os.environ.get("OUTBOX_INTERLEAVINGS", "60"))
@@ -44,7 +45,13 @@ KEYED = st.sampled_from(["a", "a", "b", None])
 class Protocol(RuleBasedStateMachine):
     url: ClassVar[str]
     #: What the runs did, printed at the end (`pytest -s`): the figures a long run reports.
-    tally: ClassVar[dict[str, int]] = {"runs": 0, "steps": 0, "sends": 0, "committed": 0}
+    tally: ClassVar[dict[str, int]] = {
+        "runs": 0,
+        "steps": 0,
+        "sends": 0,
+        "committed": 0,
+        "swept": 0,
+    }
 
     def __init__(self) -> None:
         super().__init__()
@@ -111,6 +118,40 @@ class Protocol(RuleBasedStateMachine):
         meanwhile (SKIP LOCKED), and their windows may close over them."""
         self.world.hold_claim(data.draw(st.sampled_from(self.world.grantable("claim"))))
 
+    @precondition(
+        lambda self: (
+            len(self.world.alive()) > 1
+            and len(self.world.held_claims) < 2
+            and any(not p.open for p in self.world.producers)
+        )
+    )
+    @rule(data=st.data())
+    def stall_mid_claim(self, data: st.DataObject) -> None:
+        """A relay works on to its next claim; fresh unkeyed messages (the ready lane's) commit;
+        its claim of them is held open: a relay stalled mid-claim, which the others must
+        neither wait for nor lose rows to."""
+        call = self.world.work_until(data.draw(st.sampled_from(self.world.alive())), "claim")
+        if call is not None:
+            self.world.commit_now(None, None)
+            self.world.hold_claim(call)
+
+    @precondition(lambda self: self.world.held_claims and len(self.world.alive()) > 1)
+    @rule(data=st.data())
+    def claim_past_a_held_claim(self, data: st.DataObject) -> None:
+        """Another relay claims again and again while a claim stays held, time passing between:
+        what relays cycling many times a second do, which single steps rarely reach. Its window
+        verifies, stays on the held rows, and after STRAGGLER_WAIT closes over them."""
+        held = data.draw(st.sampled_from(self.world.held_claims))
+        other = data.draw(
+            st.sampled_from([r for r in self.world.alive() if r is not held.call.actor])
+        )
+        for _ in range(8):
+            claim = self.world.work_until(other, "claim")
+            if claim is None or held not in self.world.held_claims:
+                break
+            self.world.grant(claim)
+            self.world.advance(window.STRAGGLER_WAIT * 0.75)
+
     @precondition(lambda self: self.world.held_claims)
     @rule(data=st.data(), end=st.sampled_from(["commit", "rollback", "lost"]))
     def end_claim(self, data: st.DataObject, end: str) -> None:
@@ -124,16 +165,29 @@ class Protocol(RuleBasedStateMachine):
     def heartbeat(self, data: st.DataObject) -> None:
         self.world.heartbeat(data.draw(st.sampled_from(self.world.alive())))
 
+    @precondition(lambda self: self.world.alive())
+    @rule(data=st.data())
+    def sweep(self, data: st.DataObject) -> None:
+        """A relay's straggler chore runs — often once its windows' waits have long run out, so
+        that what they gave up on is the sweep's to move, under whatever is in flight."""
+        if data.draw(st.booleans()):
+            self.world.advance(window.STRAGGLER_WAIT + window.SWEEP_AFTER)
+        self.tally["swept"] += self.world.sweep(data.draw(st.sampled_from(self.world.alive())))
+
     @rule(seconds=st.sampled_from([world.LEASE * 0.35, world.LEASE * 0.6, world.LEASE * 1.1]))
     def time_passes(self, seconds: float) -> None:
         self.world.advance(seconds)
 
     @precondition(lambda self: self.world.alive() and self.crashes < 2)
-    @rule(data=st.data(), restart=st.booleans())
-    def crash(self, data: st.DataObject, restart: bool) -> None:
-        """kill -9, and perhaps a new relay in its place."""
+    @rule(data=st.data(), restart=st.booleans(), stalled=st.booleans())
+    def crash(self, data: st.DataObject, restart: bool, stalled: bool) -> None:
+        """kill -9, and perhaps a new relay in its place; often one stalled mid-claim, whose
+        rows the others' windows may have given up on (they are the sweep's then)."""
         self.crashes += 1
-        self.world.crash(data.draw(st.sampled_from(self.world.alive())))
+        victims = [h.call.actor for h in self.world.held_claims if h.call.actor.alive]
+        if not (stalled and victims):
+            victims = self.world.alive()
+        self.world.crash(data.draw(st.sampled_from(victims)))
         if restart or not self.world.alive():
             # Sometimes with batches of one: every batch full, so each claims the next ahead.
             self.world.start_relay(batch_size=data.draw(st.sampled_from([None, 1])))
@@ -248,7 +302,8 @@ def test_the_protocol_holds_under_every_interleaving_tried(database_url: str) ->
     t = Protocol.tally
     print(
         f"\ninterleavings: {t['runs']} runs, {t['steps']} steps, "
-        f"{t['committed']} messages committed, {t['sends']} sends"
+        f"{t['committed']} messages committed, {t['sends']} sends, "
+        f"{t['swept']} rows moved by straggler sweeps"
     )
 
 

@@ -610,6 +610,18 @@ class World:
             actor.beating = self.loop.create_task(actor.relay.heartbeat.run_once())
         self.run(self._quiet())
 
+    def sweep(self, actor: RelayActor) -> int:
+        """The relay's straggler chore runs (beside its loop, on its own connection): the ready
+        rows its windows passed SWEEP_AFTER ago that still have no claim move to messages."""
+        moved: list[int] = []
+
+        async def sweep() -> None:
+            moved.append(await actor.store.real.sweep_stragglers())
+
+        self.run(self._operate(actor.name, sweep()))
+        self.run(self._catch_up())
+        return sum(moved)
+
     def crash(self, actor: RelayActor) -> None:
         """kill -9: it takes no step again; a transaction it had open rolls back."""
         actor.alive = False
@@ -780,6 +792,18 @@ class World:
             assert actor.pending, f"{actor.name} is waiting on nothing the test can grant"
             self.grant(actor.pending[0], kind)
         raise AssertionError(f"{actor.name} never got to {method}")
+
+    def work_until(self, actor: RelayActor, method: str, limit: int = 20) -> Call | None:
+        """As `until`, but None where `actor` waits on nothing the test can grant (a lock, a
+        held call) or does not get there within `limit` grants."""
+        for _ in range(limit):
+            calls = [c for c in actor.pending if c.method == method]
+            if calls:
+                return calls[0]
+            if not actor.pending or not actor.alive:
+                return None
+            self.grant(actor.pending[0], "ack")
+        return None
 
     def commit_now(self, *keys: str | None) -> None:
         """One producer transaction that enqueues a message per key and commits."""

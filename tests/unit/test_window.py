@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from relay.postgres.window import STRAGGLER_WAIT, WHOLE_LANE, Window
+from relay.postgres.window import MARK_EVERY, STRAGGLER_WAIT, SWEEP_AFTER, Window
 
 
 class Clock:
@@ -51,14 +51,73 @@ def test_a_window_that_moves_forward_stays_open_however_long_it_takes() -> None:
     assert window.hi is None
 
 
-def test_after_an_outage_the_whole_lane_is_walked_from_its_start() -> None:
+def test_a_first_window_starts_at_the_first_row_with_no_claim_and_is_verified() -> None:
+    # lane_start said: up to snapshot 30:35:, the first row nobody claimed is (28, 700). The
+    # window is every transaction from 28 on that had committed at 30:35: (those before it are
+    # claimed or, running at 30:35:, in the next window), walked from that row (the cursor is
+    # exclusive) and verified like any other, not from the lane's start.
+    window = Window(clock=Clock())
+    needed = window.needs_start
+    window.start("30:35:", 28, 700)
+    assert (needed, window.needs_start) == (True, False)
+    params = window.params()
+    assert (params["prev"], params["hi"]) == ("28:28:", "30:35:")
+    assert (params["xid"], params["cursor"], params["verify"]) == ("28", 699, True)
+    window.moved(trailer(0, 0, closed=True, hi="30:35:"))
+    params = window.params()
+    assert (params["prev"], params["hi"], params["verify"]) == ("30:35:", None, False)
+
+
+def test_a_first_window_with_nothing_unclaimed_starts_after_the_start_snapshot() -> None:
+    window = Window(clock=Clock())
+    window.start("30:35:31", None, None)
+    params = window.params()
+    assert (params["prev"], params["hi"], params["xid"], params["cursor"]) == (
+        "30:35:31",
+        None,
+        "0",
+        0,
+    )
+
+
+def test_later_windows_closed_unverified_are_verified_a_second_later() -> None:
     clock = Clock()
     window = Window(clock=clock)
-    window.params()
-    window.moved(trailer(40, 900))
-    window.forget()
+    window.start("30:35:", None, None)
+    window.moved(trailer(0, 0, closed=True, hi="40:40:"))
+    assert window.params()["verify"] is False  # not yet: the verify waits a second
+    window.moved(trailer(0, 0, closed=True, hi="45:45:"))
+    clock.now += 1
     params = window.params()
-    assert params["prev"] == WHOLE_LANE
-    assert params["hi"] is None
-    assert (params["xid"], params["cursor"]) == ("0", 0)
-    assert params["verify"] is True
+    assert (params["prev"], params["verify"]) == ("30:35:", True)
+
+
+def test_passed_is_a_snapshot_every_window_ended_after_long_enough_ago() -> None:
+    clock = Clock()
+    window = Window(clock=clock)
+    window.start("1:1:", None, None)
+    assert window.passed() is None  # nothing closed yet
+    for n in range(20):  # a window closes every second, at 10:10:, 11:11:, …
+        window.moved(trailer(0, 0, closed=True, hi=f"{10 + n}:{10 + n}:"))
+        clock.now += 1
+    assert window.passed() is None  # the oldest close is 20 s old: not yet SWEEP_AFTER
+    clock.now += SWEEP_AFTER - 20 + MARK_EVERY
+    passed = window.passed()
+    # The newest mark at least SWEEP_AFTER old: the close of MARK_EVERY seconds after the first.
+    assert passed == f"{10 + int(MARK_EVERY)}:{10 + int(MARK_EVERY)}:"
+    assert window.passed() == passed  # asked again, the same (or newer), never older
+
+
+def test_after_an_outage_the_window_asks_where_to_start_and_forgets_what_it_passed() -> None:
+    clock = Clock()
+    window = Window(clock=clock)
+    window.start("30:35:", None, None)
+    window.moved(trailer(40, 900))
+    window.moved(trailer(0, 0, closed=True))
+    clock.now += SWEEP_AFTER
+    assert window.passed() is not None
+    window.forget()
+    assert window.needs_start
+    assert window.passed() is None
+    params = window.params()
+    assert (params["xid"], params["cursor"], params["verify"]) == ("0", 0, False)

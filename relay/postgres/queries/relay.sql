@@ -63,6 +63,16 @@ FROM {schema}.release_orphans(%(after)s, %(limit)s);
 -- TRUNCATE one segment of the ready lane's ring if every row in it is done (migration 0015).
 SELECT {schema}.reclaim_segment(%(seg)s);
 
+-- name: lane_start
+-- Where a relay's first window starts (migration 0022): a snapshot, and the first ready row
+-- visible in it with no claim (NULL: none).
+SELECT snapshot, xid, id FROM {schema}.lane_start();
+
+-- name: sweep_stragglers
+-- Move up to %(limit)s ready rows visible in %(passed)s that still have no claim to messages, as
+-- new due messages (migration 0022): how many it looked at and moved.
+SELECT looked, moved FROM {schema}.sweep_stragglers(%(passed)s, %(limit)s);
+
 -- name: use_fast_lane
 -- From now on producers use the ready lane (a relay of this version is running).
 SELECT {schema}.use_fast_lane();
