@@ -27,7 +27,7 @@ from relay.ops.watch import READINESS_INTERVAL, Watcher
 from relay.postgres import migrate
 from relay.postgres.admin import Admin
 from relay.postgres.listener import Listener
-from relay.postgres.store import PgStore
+from relay.postgres.store import FULL_ORPHAN_PASS_EVERY, PgStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -241,7 +241,8 @@ async def run(
 
 
 def _chores(settings: config.Settings, parts: Components, watcher: Watcher) -> list[chores.Chore]:
-    """The chores beside the loop: gauges and readiness, archive retention, key retention."""
+    """The chores beside the loop: gauges and readiness, archive retention, key retention, and
+    the ready lane's upkeep (segments, stragglers, the look at every lease that ran out)."""
     failed = parts.metrics.chore_failed
     found = [
         chores.Chore(
@@ -275,6 +276,11 @@ def _chores(settings: config.Settings, parts: Components, watcher: Watcher) -> l
         await upkeep.sweep(parts.store)
 
     found.append(chores.Chore("stragglers", sweep, upkeep.SWEEP_INTERVAL, on_error=failed))
+
+    async def orphans() -> None:
+        await upkeep.orphans(parts.store)
+
+    found.append(chores.Chore("orphans", orphans, FULL_ORPHAN_PASS_EVERY, on_error=failed))
     return found
 
 

@@ -26,6 +26,8 @@ class Upkept(Protocol):
 
     async def sweep_stragglers(self) -> int: ...
 
+    async def release_all_orphans(self) -> int: ...
+
     async def forget_idle_keys(self, idle_for: float) -> int: ...
 
 
@@ -50,6 +52,18 @@ async def sweep(store: Upkept) -> None:
     if moved:
         # Rare: each is a row whose claim rolled back after another relay's window passed it.
         log.info("moved %d ready-lane rows no claim took to messages", moved)
+
+
+async def orphans(store: Upkept) -> None:
+    """Look for the ready lane's orphans among every lease that ran out; an outage only
+    postpones it to the next."""
+    try:
+        moved = await store.release_all_orphans()
+    except errors.TransientError as exc:
+        log.debug("could not look for the ready lane's orphans: %s", exc)
+        return
+    if moved:
+        log.info("moved %d ready-lane rows whose lease ran out to messages", moved)
 
 
 async def forget_keys(store: Upkept, retention: float, counters: metrics.Metrics) -> None:

@@ -96,9 +96,11 @@ class Window:
         elif self.clock() - self.stuck_since >= STRAGGLER_WAIT:
             self._close(trailer.window_hi)  # the sweep will find what is held
 
-    def passed(self, age: float = SWEEP_AFTER) -> str | None:
-        """A snapshot every window of this relay ended after at least `age` seconds ago (None:
-        none yet): the rows visible in it that still have no claim were given up on."""
+    def passed(self, age: float | None = None) -> str | None:
+        """A snapshot every window of this relay ended after at least `age` seconds ago (by
+        default SWEEP_AFTER; None: none yet): the rows visible in it that still have no claim
+        were given up on."""
+        age = SWEEP_AFTER if age is None else age
         now = self.clock()
         while len(self.marks) > 1 and now - self.marks[1][0] >= age:
             self.marks.popleft()

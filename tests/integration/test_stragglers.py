@@ -4,6 +4,7 @@ the test moves for the window's waits."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
@@ -12,10 +13,14 @@ from typing import Any
 import psycopg
 import pytest
 
+from relay import app
 from relay.core import model
+from relay.ops import upkeep
+from relay.postgres import window
 from relay.postgres.store import PgStore
 from relay.postgres.window import STRAGGLER_WAIT, SWEEP_AFTER
-from tests.support.inprocess import query
+from tests.support import amqp
+from tests.support.inprocess import query, settings_for, wait_for_count
 
 pytestmark = pytest.mark.asyncio
 
@@ -38,11 +43,11 @@ async def store(url: str, clock: Clock, name: str = "b") -> AsyncIterator[PgStor
         await opened.close()
 
 
-async def commit(url: str, n: int) -> list[uuid.UUID]:
+async def commit(url: str, n: int, exchange: str = "x") -> list[uuid.UUID]:
     async with await psycopg.AsyncConnection.connect(url) as conn:
         ids = []
         for _ in range(n):
-            cur = await conn.execute("SELECT outbox.enqueue('x', 'k', 'm')")
+            cur = await conn.execute("SELECT outbox.enqueue(%s, 'k', 'm')", [exchange])
             row = await cur.fetchone()
             assert row is not None
             ids.append(uuid.UUID(str(row[0])))
@@ -171,3 +176,44 @@ async def test_lane_start_and_the_sweep_refuse_bad_input(database_url: str) -> N
                 await conn.execute("SELECT * FROM outbox.sweep_stragglers(%s, %s)", args)
         cur = await conn.execute("SELECT snapshot, xid, id FROM outbox.lane_start()")
         assert await cur.fetchone() is not None
+
+
+async def test_a_running_relay_sweeps_and_sends_a_row_it_gave_up_on(
+    database_url: str,
+    amqp_url: str,
+    broker: amqp.Broker,
+    free_tcp_port: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # End to end, on a relay's own chores (shortened): another relay stalls mid-claim over a
+    # message and then dies; the running relay's window gives up on the row after STRAGGLER_WAIT,
+    # its sweep moves it, and it is delivered.
+    monkeypatch.setattr(upkeep, "SWEEP_INTERVAL", 0.2)
+    monkeypatch.setattr(window, "SWEEP_AFTER", 0.5)
+    monkeypatch.setattr(window, "VERIFY_EVERY", 0.1)
+    monkeypatch.setattr(window, "STRAGGLER_WAIT", 0.3)
+    await broker.declare()
+    await query(database_url, "SELECT outbox.use_fast_lane()")  # as a relay that ran before
+    (stalled,) = await commit(database_url, 1, broker.exchange)
+    holder = await claim_held(database_url)
+    stop = asyncio.Event()
+    settings = settings_for(database_url, amqp_url, metrics_port=free_tcp_port)
+    relay = asyncio.create_task(app.run(settings, stop=stop))  # the relay with its chores
+    try:
+        # The stall lasts many times the relay's wait on a held row (it claims every 0.2 s, and
+        # at once on each new message): its first window stays on the row, then gives up on it.
+        for _ in range(3):
+            await commit(database_url, 1, broker.exchange)
+            await asyncio.sleep(0.5)
+        await holder.close()  # the stalled relay dies: its claim rolls back
+        await wait_for_count(database_url, "archive", 4)
+    finally:
+        stop.set()
+        await asyncio.wait_for(relay, 30)
+    swept = "SELECT r.message_id FROM outbox.claims c JOIN outbox.ready r USING (seg, id)"
+    assert await query(database_url, swept + " WHERE c.claimed_by = 'straggler sweep'") == [
+        (stalled,)
+    ]
+    got = [m.message_id for m in await broker.collect(4, settle=0.3)]
+    assert sorted(got) == sorted(set(got))  # each once
+    assert str(stalled) in got

@@ -329,12 +329,13 @@ def test_a_claim_that_commits_just_after_its_lease_ran_out_is_found_by_the_next_
     assert world.finish() == []
 
 
-def test_a_claim_that_commits_long_after_its_lease_ran_out_waits_for_the_full_orphan_pass(
+def test_a_claim_that_commits_long_after_its_lease_ran_out_waits_for_the_look_at_every_lease(
     world: World,
 ) -> None:
     # The same, but the claim commits more than LATE_COMMIT after its lease ended: b's looks
     # go back no further (going back a whole lease made every look read each claim three
-    # times), so the row waits for b's next look at every lease, which must send it.
+    # times), so the row waits for b's next look at every lease (a chore beside its loop, every
+    # FULL_ORPHAN_PASS_EVERY), which must move it, and b then send it.
     a, b = world.relays
     world.commit_now(None)
     world.hold_claim(world.until(a, "claim"))
@@ -349,6 +350,7 @@ def test_a_claim_that_commits_long_after_its_lease_ran_out_waits_for_the_full_or
         world.grant(world.until(b, "claim"))
     assert world.ledger.sends == []  # missed by the looks since: the case this is about
     world.advance(FULL_ORPHAN_PASS_EVERY)
+    assert world.look_for_all_orphans(b) == 1
     world.grant(world.until(b, "publish"), "ack")
     assert [(s.relay, s.attempt) for s in world.ledger.sends] == [(b.name, 2)]
     assert world.finish() == []

@@ -174,6 +174,12 @@ class Protocol(RuleBasedStateMachine):
             self.world.advance(window.STRAGGLER_WAIT + window.SWEEP_AFTER)
         self.tally["swept"] += self.world.sweep(data.draw(st.sampled_from(self.world.alive())))
 
+    @precondition(lambda self: self.world.alive())
+    @rule(data=st.data())
+    def look_for_all_orphans(self, data: st.DataObject) -> None:
+        """A relay's chore looks for orphans among every lease that ran out."""
+        self.world.look_for_all_orphans(data.draw(st.sampled_from(self.world.alive())))
+
     @rule(seconds=st.sampled_from([world.LEASE * 0.35, world.LEASE * 0.6, world.LEASE * 1.1]))
     def time_passes(self, seconds: float) -> None:
         self.world.advance(seconds)

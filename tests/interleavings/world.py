@@ -613,12 +613,19 @@ class World:
     def sweep(self, actor: RelayActor) -> int:
         """The relay's straggler chore runs (beside its loop, on its own connection): the ready
         rows its windows passed SWEEP_AFTER ago that still have no claim move to messages."""
+        return self._chore(actor, actor.store.real.sweep_stragglers)
+
+    def look_for_all_orphans(self, actor: RelayActor) -> int:
+        """The relay's chore that looks for orphans among every lease that ran out runs."""
+        return self._chore(actor, actor.store.real.release_all_orphans)
+
+    def _chore(self, actor: RelayActor, chore: Callable[[], Awaitable[int]]) -> int:
         moved: list[int] = []
 
-        async def sweep() -> None:
-            moved.append(await actor.store.real.sweep_stragglers())
+        async def run() -> None:
+            moved.append(await chore())
 
-        self.run(self._operate(actor.name, sweep()))
+        self.run(self._operate(actor.name, run()))
         self.run(self._catch_up())
         return sum(moved)
 
