@@ -114,7 +114,8 @@ class Metrics:
         # The background chores.
         self.chore_errors = Counter(
             "outbox_chore_errors",
-            "Runs of a background chore (watcher, pruner, listener, leases, keys) that failed "
+            "Runs of a background chore (watcher, pruner, listener, leases, keys, reclaim, "
+            "stragglers, orphans) that failed "
             "with an error that is no outage; each is logged at ERROR with its traceback, and the "
             "chore runs again after a back-off.",
             ["chore"],

@@ -29,8 +29,10 @@ TO {producer};
 
 -- Relays: claim and lease (functions since migration 0015; relays of earlier versions ran their
 -- own statements, which need the UPDATE of the lease columns only), settle, bury, release
--- stranded keyed rows, forget idle keys, move the ready lane's orphans and reclaim its segments
--- (functions that move whole rows and run as the owner, migrations 0013 and 0015), prune the archive by its retention, and read what the gauges count. A relay cannot write
+-- stranded keyed rows, forget idle keys, move the ready lane's orphans and stragglers, find where
+-- its first window starts and reclaim its segments (functions that move whole rows and run as
+-- the owner, migrations 0013, 0015 and 0022), prune the archive by its retention, and read what
+-- the gauges count. A relay cannot write
 -- a message's content, destination, key or gate, insert or delete one, insert a dead or archived
 -- row, or touch keys, blocks, settings or key policies. (FOR UPDATE in the claim needs UPDATE on a
 -- column, which the lease columns are.)
