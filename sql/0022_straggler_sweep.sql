@@ -61,28 +61,54 @@ BEGIN
 END;
 $$;
 
--- Move up to p_limit ready rows that are visible in snapshot p_passed and have no claim to
--- messages, as new messages due now (attempt 0, no error: they were never sent). p_passed must be
--- a snapshot every window of the caller ended after a while ago (the caller's business: see
--- relay/postgres/store.py); a row it moves was then skipped by that relay's windows while another
--- claim held it, and that claim has since rolled back. A row still held is skipped; so is one a
--- relay claims meanwhile. Returns how many rows it looked at and how many it moved (fewer looked
--- than p_limit: nothing more to move).
-CREATE FUNCTION sweep_stragglers(p_passed text, p_limit integer, OUT looked integer,
-                                 OUT moved integer)
+-- The ready rows visible in snapshot p_passed that have no claim, up to p_limit, locked (SKIP
+-- LOCKED: a claim in progress keeps its rows, and is never waited for). Set-based, as lane_start.
+CREATE FUNCTION _stragglers(p_passed pg_snapshot, p_limit integer)
+RETURNS TABLE (seg smallint, id bigint)
 LANGUAGE plpgsql
-SECURITY DEFINER
 SET search_path FROM CURRENT
 SET enable_hashjoin = on
 SET enable_mergejoin = on
 SET enable_seqscan = on
 SET max_parallel_workers_per_gather = 0
 AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    SELECT r.seg, r.id FROM ready r
+    WHERE r.xid < pg_snapshot_xmax(p_passed) AND pg_visible_in_snapshot(r.xid, p_passed)
+      AND NOT EXISTS (SELECT 1 FROM claims c WHERE c.seg = r.seg AND c.id = r.id)
+    LIMIT p_limit
+    FOR UPDATE OF r SKIP LOCKED;
+END;
+$$;
+
+-- Move up to p_limit ready rows that are visible in snapshot p_passed and have no claim to
+-- messages, as new messages due now (attempt 0, no error: they were never sent). p_passed must be
+-- a snapshot every window of the caller ended after a while ago (the caller's business: see
+-- relay/postgres/store.py); a row it moves was then skipped by that relay's windows while another
+-- claim held it, and that claim has since rolled back. A row still held is skipped; so is one a
+-- relay claims meanwhile. Returns how many rows it looked at and how many it moved (fewer looked
+-- than p_limit: nothing more to move). Only the search is set-based: the rest runs with 0015's
+-- settings (generic plans, nested loops of index look-ups), like every other function that ends
+-- ready rows — a plan of _ready_copy's statements made here is cached for the session, and a
+-- settle on the same pooled connection would reuse it.
+CREATE FUNCTION sweep_stragglers(p_passed text, p_limit integer, OUT looked integer,
+                                 OUT moved integer)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
+AS $$
 DECLARE
     v_passed pg_snapshot;
     v_claim  uuid := gen_random_uuid();
+    v_open   record;
     v_ids    bigint[];
-    v_n      integer;
 BEGIN
     PERFORM _read_committed('sweep_stragglers');
     IF p_passed IS NULL OR p_limit IS NULL OR p_limit < 1 THEN
@@ -96,22 +122,19 @@ BEGIN
         RAISE EXCEPTION 'sweep_stragglers: snapshot % is ahead of the server''s', p_passed
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    WITH open AS (
-        SELECT r.seg, r.id FROM ready r
-        WHERE r.xid < pg_snapshot_xmax(v_passed) AND pg_visible_in_snapshot(r.xid, v_passed)
-          AND NOT EXISTS (SELECT 1 FROM claims c WHERE c.seg = r.seg AND c.id = r.id)
-        LIMIT p_limit
-        FOR UPDATE OF r SKIP LOCKED
-    ), taken AS (
+    SELECT coalesce(array_agg(o.seg), '{}') AS segs, coalesce(array_agg(o.id), '{}') AS ids
+    INTO v_open
+    FROM _stragglers(v_passed, p_limit) AS o;
+    looked := cardinality(v_open.ids);
+    WITH taken AS (
         INSERT INTO claims (seg, id, claim_id, claimed_by, until)
         SELECT o.seg, o.id, v_claim, 'straggler sweep', now()
-        FROM open o
-        ORDER BY 1, 2
+        FROM unnest(v_open.segs, v_open.ids) AS o(seg, id)
+        ORDER BY 1, 2  -- one order for every writer
         ON CONFLICT DO NOTHING
         RETURNING claims.id
     )
-    SELECT coalesce(array_agg(t.id), '{}'), (SELECT count(*) FROM open) INTO v_ids, v_n FROM taken t;
-    looked := v_n;
+    SELECT coalesce(array_agg(t.id), '{}') INTO v_ids FROM taken t;
     moved := 0;
     IF cardinality(v_ids) > 0 THEN
         SELECT count(*) INTO moved

@@ -901,6 +901,27 @@ BEGIN
 END;
 $$;
 
+-- Name: _stragglers(pg_snapshot, integer); Type: FUNCTION; Schema: outbox; Owner: -
+
+CREATE FUNCTION outbox._stragglers(p_passed pg_snapshot, p_limit integer) RETURNS TABLE(seg smallint, id bigint)
+    LANGUAGE plpgsql
+    SET search_path TO 'outbox', 'pg_temp'
+    SET enable_hashjoin TO 'on'
+    SET enable_mergejoin TO 'on'
+    SET enable_seqscan TO 'on'
+    SET max_parallel_workers_per_gather TO '0'
+    AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    SELECT r.seg, r.id FROM ready r
+    WHERE r.xid < pg_snapshot_xmax(p_passed) AND pg_visible_in_snapshot(r.xid, p_passed)
+      AND NOT EXISTS (SELECT 1 FROM claims c WHERE c.seg = r.seg AND c.id = r.id)
+    LIMIT p_limit
+    FOR UPDATE OF r SKIP LOCKED;
+END;
+$$;
+
 -- Name: _window_first_open(pg_snapshot, pg_snapshot); Type: FUNCTION; Schema: outbox; Owner: -
 
 CREATE FUNCTION outbox._window_first_open(p_prev pg_snapshot, p_hi pg_snapshot, OUT xid xid8, OUT id bigint) RETURNS record
@@ -1840,16 +1861,17 @@ $_$;
 CREATE FUNCTION outbox.sweep_stragglers(p_passed text, p_limit integer, OUT looked integer, OUT moved integer) RETURNS record
     LANGUAGE plpgsql SECURITY DEFINER
     SET search_path TO 'outbox', 'pg_temp'
-    SET enable_hashjoin TO 'on'
-    SET enable_mergejoin TO 'on'
-    SET enable_seqscan TO 'on'
-    SET max_parallel_workers_per_gather TO '0'
+    SET plan_cache_mode TO 'force_generic_plan'
+    SET enable_seqscan TO 'off'
+    SET enable_bitmapscan TO 'off'
+    SET enable_hashjoin TO 'off'
+    SET enable_mergejoin TO 'off'
     AS $$
 DECLARE
     v_passed pg_snapshot;
     v_claim  uuid := gen_random_uuid();
+    v_open   record;
     v_ids    bigint[];
-    v_n      integer;
 BEGIN
     PERFORM _read_committed('sweep_stragglers');
     IF p_passed IS NULL OR p_limit IS NULL OR p_limit < 1 THEN
@@ -1863,22 +1885,19 @@ BEGIN
         RAISE EXCEPTION 'sweep_stragglers: snapshot % is ahead of the server''s', p_passed
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    WITH open AS (
-        SELECT r.seg, r.id FROM ready r
-        WHERE r.xid < pg_snapshot_xmax(v_passed) AND pg_visible_in_snapshot(r.xid, v_passed)
-          AND NOT EXISTS (SELECT 1 FROM claims c WHERE c.seg = r.seg AND c.id = r.id)
-        LIMIT p_limit
-        FOR UPDATE OF r SKIP LOCKED
-    ), taken AS (
+    SELECT coalesce(array_agg(o.seg), '{}') AS segs, coalesce(array_agg(o.id), '{}') AS ids
+    INTO v_open
+    FROM _stragglers(v_passed, p_limit) AS o;
+    looked := cardinality(v_open.ids);
+    WITH taken AS (
         INSERT INTO claims (seg, id, claim_id, claimed_by, until)
         SELECT o.seg, o.id, v_claim, 'straggler sweep', now()
-        FROM open o
-        ORDER BY 1, 2
+        FROM unnest(v_open.segs, v_open.ids) AS o(seg, id)
+        ORDER BY 1, 2  -- one order for every writer
         ON CONFLICT DO NOTHING
         RETURNING claims.id
     )
-    SELECT coalesce(array_agg(t.id), '{}'), (SELECT count(*) FROM open) INTO v_ids, v_n FROM taken t;
-    looked := v_n;
+    SELECT coalesce(array_agg(t.id), '{}') INTO v_ids FROM taken t;
     moved := 0;
     IF cardinality(v_ids) > 0 THEN
         SELECT count(*) INTO moved

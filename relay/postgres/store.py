@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -21,6 +22,8 @@ from relay.postgres.pg import translate_errors
 from relay.postgres.readings import Readings
 from relay.postgres.rows import settle_params, to_message
 from relay.postgres.window import Window
+
+log = logging.getLogger("relay.store")
 
 #: How long an operation waits for a pooled connection before the database counts as unavailable.
 POOL_WAIT = 3.0
@@ -77,7 +80,7 @@ class PgStore(Readings):
         relay_name: str,
         *,
         connect_timeout: float = 10.0,
-        max_size: int = 2,
+        max_size: int = 3,
         synchronous_commit: bool = True,
         batch_max_bytes: int = BATCH_MAX_BYTES,
         pooled: bool = False,
@@ -191,10 +194,18 @@ class PgStore(Readings):
         passed = self._window.passed()
         moved = 0
         while passed is not None:
-            async with self._connection() as conn:
-                params = {"passed": passed, "limit": CHUNK}
-                cur = await conn.execute(self._q.sweep_stragglers, params)
-                looked, n = await pg.one_row(cur)
+            try:
+                async with self._connection() as conn:
+                    params = {"passed": passed, "limit": CHUNK}
+                    cur = await conn.execute(self._q.sweep_stragglers, params)
+                    looked, n = await pg.one_row(cur)
+            except psycopg.errors.InvalidParameterValue as exc:
+                # Ahead of the server: its transaction ids went backwards (a failover). What
+                # the windows passed is of the other timeline; the loop's next claim finds out
+                # too, and starts its windows again.
+                log.warning("straggler sweep: %s; it starts over", pg.first_line(exc))
+                self._window.marks.clear()
+                break
             moved += int(n)
             if looked < CHUNK:
                 break

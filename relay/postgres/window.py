@@ -80,6 +80,12 @@ class Window:
 
     def moved(self, trailer: Any) -> None:
         """Take the window's state from a claim's trailer row."""
+        if _xmax(trailer.window_hi) < _xmax(self.prev):
+            # The server's transaction ids went backwards (a crash that lost WAL, a failover to
+            # an asynchronous standby): claim_batch walked the whole lane, and what this window
+            # remembers belongs to the other timeline. Start again, as after an outage.
+            self.forget()
+            return
         if trailer.window_closed:
             self._close(trailer.window_hi)
             return
@@ -124,3 +130,8 @@ class Window:
         now = self.clock()
         if not self.marks or now - self.marks[-1][0] >= MARK_EVERY:
             self.marks.append((now, hi))
+
+
+def _xmax(snapshot: str) -> int:
+    """The xmax of a pg_snapshot's text form (xmin:xmax:xip,…)."""
+    return int(snapshot.split(":", 2)[1])

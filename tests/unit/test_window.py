@@ -121,3 +121,15 @@ def test_after_an_outage_the_window_asks_where_to_start_and_forgets_what_it_pass
     assert window.passed() is None
     params = window.params()
     assert (params["xid"], params["cursor"], params["verify"]) == ("0", 0, False)
+
+
+def test_a_server_whose_transaction_ids_went_backwards_makes_the_window_start_again() -> None:
+    # claim_batch saw the server's snapshot behind the window's (a failover to an asynchronous
+    # standby) and walked the whole lane; the window must not keep a lower snapshot of the old
+    # timeline, which every new transaction would be behind.
+    clock = Clock()
+    window = Window(clock=clock)
+    window.start("900:1000:", None, None)
+    window.moved(trailer(0, 0, closed=True, hi="980:990:"))
+    assert window.needs_start
+    assert window.passed(0) is None
