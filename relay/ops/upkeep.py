@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Protocol
 
@@ -33,37 +34,42 @@ class Upkept(Protocol):
 
 async def reclaim(store: Upkept) -> None:
     """TRUNCATE what the ready lane is done with; an outage only postpones it to the next."""
-    try:
-        reclaimed = await store.reclaim()
-    except errors.TransientError as exc:
-        log.debug("could not reclaim ready-lane segments: %s", exc)
-        return
-    if reclaimed:
-        log.debug("reclaimed %d ready-lane segments", reclaimed)
+    await _counted(store.reclaim, "reclaim ready-lane segments", "reclaimed %d ready-lane segments")
 
 
 async def sweep(store: Upkept) -> None:
-    """Move the ready lane's stragglers to messages; an outage only postpones it to the next."""
-    try:
-        moved = await store.sweep_stragglers()
-    except errors.TransientError as exc:
-        log.debug("could not sweep the ready lane's stragglers: %s", exc)
-        return
-    if moved:
-        # Rare: each is a row whose claim rolled back after another relay's window passed it.
-        log.info("moved %d ready-lane rows no claim took to messages", moved)
+    """Move the ready lane's stragglers to messages; an outage only postpones it to the next.
+    Rare: each is a row whose claim rolled back after another relay's window passed it."""
+    await _counted(
+        store.sweep_stragglers,
+        "sweep the ready lane's stragglers",
+        "moved %d ready-lane rows no claim took to messages",
+        logging.INFO,
+    )
 
 
 async def orphans(store: Upkept) -> None:
     """Look for the ready lane's orphans among every lease that ran out; an outage only
     postpones it to the next."""
+    await _counted(
+        store.release_all_orphans,
+        "look for the ready lane's orphans",
+        "moved %d ready-lane rows whose lease ran out to messages",
+        logging.INFO,
+    )
+
+
+async def _counted(
+    work: Callable[[], Awaitable[int]], what: str, done: str, level: int = logging.DEBUG
+) -> None:
+    """Run one pass of a chore of the lane; an outage is logged (DEBUG) and left to the next."""
     try:
-        moved = await store.release_all_orphans()
+        n = await work()
     except errors.TransientError as exc:
-        log.debug("could not look for the ready lane's orphans: %s", exc)
+        log.debug("could not %s: %s", what, exc)
         return
-    if moved:
-        log.info("moved %d ready-lane rows whose lease ran out to messages", moved)
+    if n:
+        log.log(level, done, n)
 
 
 async def forget_keys(store: Upkept, retention: float, counters: metrics.Metrics) -> None:
