@@ -204,7 +204,7 @@ class PgStore(Readings):
                 # the windows passed is of the other timeline; the loop's next claim finds out
                 # too, and starts its windows again.
                 log.warning("straggler sweep: %s; it starts over", pg.first_line(exc))
-                self._window.marks.clear()
+                self._window.forget_passed()
                 break
             moved += int(n)
             if looked < CHUNK:

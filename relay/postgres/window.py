@@ -114,13 +114,18 @@ class Window:
             return self.marks[0][1]
         return None
 
+    def forget_passed(self) -> None:
+        """What the windows passed belongs to another timeline (the server's transaction ids
+        went backwards): the sweep waits for new marks."""
+        self.marks.clear()
+
     def forget(self) -> None:
         """After an outage (the server may have restarted, or failed over to a standby whose
         transaction ids are behind): ask lane_start again, and forget what was passed."""
         self.hi, self.xid, self.id, self.prev = None, "0", 0, WHOLE_LANE
         self.stuck_since, self.verifying, self.unverified = None, False, None
         self.needs_start = True
-        self.marks.clear()
+        self.forget_passed()
 
     def _close(self, hi: str) -> None:
         if not self.verifying and self.unverified is None:

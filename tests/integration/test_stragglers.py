@@ -202,11 +202,11 @@ async def test_a_running_relay_sweeps_and_sends_a_row_it_gave_up_on(
     try:
         # The stall lasts many times the relay's wait on a held row (it claims every 0.2 s, and
         # at once on each new message): its first window stays on the row, then gives up on it.
-        for _ in range(3):
+        for _ in range(6):  # 3 s: ten times the wait, four times what giving up takes
             await commit(database_url, 1, broker.exchange)
             await asyncio.sleep(0.5)
         await holder.close()  # the stalled relay dies: its claim rolls back
-        await wait_for_count(database_url, "archive", 4)
+        await wait_for_count(database_url, "archive", 7)
     finally:
         stop.set()
         await asyncio.wait_for(relay, 30)
@@ -214,6 +214,6 @@ async def test_a_running_relay_sweeps_and_sends_a_row_it_gave_up_on(
     assert await query(database_url, swept + " WHERE c.claimed_by = 'straggler sweep'") == [
         (stalled,)
     ]
-    got = [m.message_id for m in await broker.collect(4, settle=0.3)]
+    got = [m.message_id for m in await broker.collect(7, settle=0.3)]
     assert sorted(got) == sorted(set(got))  # each once
     assert str(stalled) in got
