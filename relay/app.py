@@ -26,6 +26,7 @@ from relay.ops.retention import Pruner
 from relay.ops.watch import READINESS_INTERVAL, Watcher
 from relay.postgres import migrate
 from relay.postgres.admin import Admin
+from relay.postgres.doorbell import Doorbell
 from relay.postgres.listener import Listener
 from relay.postgres.store import FULL_ORPHAN_PASS_EVERY, PgStore
 
@@ -56,6 +57,7 @@ class Components:
     store: PgStore
     publisher: AmqpPublisher
     listener: Listener | None  # None: polling only (a transaction pooler, no OUTBOX_LISTEN_URL)
+    doorbell: Doorbell | None  # None with the listener
     relay: loop.Relay
     metrics: metrics.Metrics
     #: The supervised background chores running beside the loop (liveness watches them).
@@ -153,6 +155,8 @@ async def components(
         listener = (
             None if listen_url is None else Listener(listen_url, settings.db_schema, wake, recheck)
         )
+        # Only a relay that hears NOTIFY arms the doorbell (docs/decisions/0008).
+        doorbell = None if listen_url is None else Doorbell(listen_url, settings.db_schema)
         counters = counters or metrics.Metrics()
         relay = loop.Relay(
             store,
@@ -160,6 +164,7 @@ async def components(
             options(settings),
             wake=wake,
             recheck=recheck,
+            doorbell=doorbell,
             on_cycle=counters.record,
             on_chore_error=counters.chore_failed,
         )
@@ -168,13 +173,18 @@ async def components(
         if listener is not None:
             listening = chores.Chore("listener", listener.run, 1.0, on_error=counters.chore_failed)
             supervised.insert(0, listening)
+        if doorbell is not None:
+            ringing = chores.Chore("doorbell", doorbell.run, 1.0, on_error=counters.chore_failed)
+            supervised.insert(1, ringing)
         background = [
             asyncio.create_task(chore.run(), name=f"outbox-{chore.name}")
             for chore in supervised
             if chore is not relay.heartbeat  # the relay's run beats it
         ]
         try:
-            yield Components(settings, store, publisher, listener, relay, counters, supervised)
+            yield Components(
+                settings, store, publisher, listener, doorbell, relay, counters, supervised
+            )
         finally:
             for task in background:
                 task.cancel()

@@ -36,6 +36,7 @@ class Relay:
         *,
         wake: asyncio.Event | None = None,
         recheck: asyncio.Event | None = None,
+        doorbell: ports.Doorbell | None = None,
         on_cycle: Callable[[model.CycleReport], None] | None = None,
         on_chore_error: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -49,6 +50,7 @@ class Relay:
         #: with every look for orphans (the guarantee). Set at start: something may be queued.
         self.recheck = recheck or asyncio.Event()
         self.recheck.set()
+        self._doorbell = doorbell
         self._on_cycle = on_cycle
         self._stopping = asyncio.Event()  # claim nothing more; give back what is not yet sent
         self._abort = asyncio.Event()  # the shutdown grace is over: stop waiting for confirms
@@ -193,7 +195,8 @@ class Relay:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Cycle until `stop` is set: back-to-back while batches come back full (which sweeps any
-        backlog at start-up), otherwise waiting for a NOTIFY (`wake`) or the poll interval; while
+        backlog at start-up), otherwise waiting for a NOTIFY (`wake`) or the poll interval (with
+        the doorbell armed first, when there is one: `_sleep`); while
         the broker blocks publishing, waiting for it to unblock. Once `stop` is set, nothing more is
         claimed and the batch in flight gets `shutdown_grace` seconds for its confirms before what
         is unconfirmed is given back. Outages are retried with back-off; other errors propagate."""
@@ -210,23 +213,39 @@ class Relay:
                     # Straight on while the next batch is already claimed, while batches come
                     # back full (in rows, or in bytes: cut short), or when settles freed keyed
                     # rows.
-                    if report is None or self.leases.claimed_ahead:
+                    if report is None or self.leases.claimed_ahead or report.cut_short:
+                        self._disarm()
                         continue
-                    if report.claimed >= self._options.batch_size:
-                        continue
-                    if report.cut_short:
-                        continue
-                    if report.settled.released:
+                    if report.claimed >= self._options.batch_size or report.settled.released:
+                        self._disarm()
                         continue
                     if report.blocked:
                         await self._wait_unblocked(stop)
                         continue
-                    await waiting.any_event((self.wake, stop), self._options.poll_interval)
+                    await self._sleep(stop)
             finally:
+                self._disarm()
                 grace.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await grace
                 await self.drop_prefetched()
+
+    def _disarm(self) -> None:
+        """Working back to back: producers need not wake this relay (docs/decisions/0008)."""
+        if self._doorbell is not None:
+            self._doorbell.disarm()
+
+    async def _sleep(self, stop: asyncio.Event) -> None:
+        """Wait for a NOTIFY (`wake`) or the poll interval. Producers notify only while a relay
+        holds the doorbell, so a relay that does not hold it yet arms it and ends this wait once
+        it is held: every producer that did not notify has committed by then, and the next cycle
+        looks once more before the relay sleeps for good."""
+        bell = self._doorbell
+        if bell is None or bell.armed.is_set():
+            await waiting.any_event((self.wake, stop), self._options.poll_interval)
+            return
+        bell.arm()
+        await waiting.any_event((self.wake, stop, bell.armed), self._options.poll_interval)
 
     @contextlib.asynccontextmanager
     async def _keeping(self) -> AsyncIterator[None]:

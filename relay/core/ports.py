@@ -59,6 +59,22 @@ class Store(Protocol):
         ...
 
 
+class Doorbell(Protocol):
+    """Producers wake a relay (NOTIFY) only while some relay holds the doorbell. `armed` is set
+    while this relay holds it: every producer that committed without waking anyone did so before
+    it was set, so a look for work after it sees their rows."""
+
+    armed: asyncio.Event
+
+    def arm(self) -> None:
+        """Take it in the background, before sleeping."""
+        ...
+
+    def disarm(self) -> None:
+        """Let go of it in the background (`armed` is clear at once), when working back to back."""
+        ...
+
+
 class Publisher(Protocol):
     """Where messages go. Raises errors.BrokerUnavailable when the broker cannot be reached."""
 

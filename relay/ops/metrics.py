@@ -39,7 +39,7 @@ _BATCH_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
 #: Retries by why the message is tried again.
 RETRY_CLASSES = ("nacked", "ambiguous", "failed", "released")
 #: The background chores a relay runs (chores.Chore names).
-CHORES = ("watcher", "pruner", "listener", "leases", "keys")
+CHORES = ("watcher", "pruner", "listener", "doorbell", "leases", "keys")
 
 
 class Metrics:
@@ -114,9 +114,9 @@ class Metrics:
         # The background chores.
         self.chore_errors = Counter(
             "outbox_chore_errors",
-            "Runs of a background chore (watcher, pruner, listener, leases, keys, reclaim, "
-            "stragglers, orphans) that failed "
-            "with an error that is no outage; each is logged at ERROR with its traceback, and the "
+            "Runs of a background chore (watcher, pruner, listener, doorbell, leases, keys, "
+            "reclaim, stragglers, orphans) that failed with an error that is no outage; each "
+            "is logged at ERROR with its traceback, and the "
             "chore runs again after a back-off.",
             ["chore"],
             registry=r,

@@ -59,7 +59,9 @@ GRANT EXECUTE ON FUNCTION
     {schema}.lane_start(),
     {schema}.sweep_stragglers(text, integer),
     {schema}.use_fast_lane(),
-    {schema}.lane_gauges()
+    {schema}.lane_gauges(),
+    {schema}.arm_doorbell(),
+    {schema}.use_doorbell()
 TO {relay};
 
 -- Operators: the CLI's dead-letter, archive, keys and stats commands and the data pipeline:

@@ -36,6 +36,9 @@ class Queries:
     archive_count: LiteralString
     dead_by_reason: LiteralString
     listen: LiteralString
+    arm_doorbell: LiteralString
+    use_doorbell: LiteralString
+    doorbell_session: LiteralString
     enqueue: LiteralString
     enqueue_many: LiteralString
     create_schema: LiteralString

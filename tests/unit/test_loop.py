@@ -410,6 +410,81 @@ async def test_run_polls_when_no_notification_comes() -> None:
     await asyncio.wait_for(task, 5)
 
 
+class FakeDoorbell:
+    """Held once the test grants it; arm and disarm are noted in the store's calls, in order."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.armed = asyncio.Event()
+        self.granted = asyncio.Event()
+        self._calls = calls
+        self._wanted = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def arm(self) -> None:
+        self._calls.append("arm")
+        self._wanted = True
+        task = asyncio.get_running_loop().create_task(self._grant())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _grant(self) -> None:
+        await self.granted.wait()
+        if self._wanted:
+            self.armed.set()
+
+    def disarm(self) -> None:
+        self._calls.append("disarm")
+        self._wanted = False
+        self.armed.clear()
+
+
+async def test_a_relay_with_nothing_to_do_arms_the_doorbell_and_looks_once_more_when_held() -> None:
+    """A producer that committed without ringing (no relay held the doorbell) did so before the
+    doorbell was held: the relay must look again then, not sleep until its poll."""
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    bell = FakeDoorbell(store.calls)
+    relay = loop.Relay(store, publisher, loop.Options(poll_interval=3600.0), doorbell=bell)
+    stop = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop))
+    await _until(lambda: "arm" in store.calls)
+    for _ in range(20):
+        await asyncio.sleep(0)  # let it run on: it must wait for the doorbell, not claim
+    assert store.calls[-1] == "arm"
+    store.add()  # committed by a producer that did not ring
+    bell.granted.set()
+    await _until(lambda: len(store.archive) == 1)
+    claims = store.calls.count("claim") + store.calls.count("settle_then_claim")
+    for _ in range(20):
+        await asyncio.sleep(0)
+    # Held now: it sleeps until woken (or its poll), without arming again.
+    assert store.calls.count("arm") == 1
+    assert store.calls.count("claim") + store.calls.count("settle_then_claim") == claims
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert store.calls[-1] == "disarm"  # a stopped relay lets go
+
+
+async def test_a_relay_working_back_to_back_lets_go_of_the_doorbell() -> None:
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    bell = FakeDoorbell(store.calls)
+    bell.granted.set()
+    relay = loop.Relay(
+        store, publisher, loop.Options(batch_size=2, poll_interval=3600.0), doorbell=bell
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop))
+    await asyncio.wait_for(bell.armed.wait(), 5)
+    for _ in range(5):
+        store.add()
+    relay.wake.set()
+    await _until(lambda: len(store.archive) == 5)
+    woken = store.calls[store.calls.index("arm") + 1 :]
+    assert "disarm" in woken  # full batches: producers need not ring meanwhile
+    await asyncio.wait_for(bell.armed.wait(), 5)  # and once idle again, it holds it again
+    stop.set()
+    await asyncio.wait_for(task, 5)
+
+
 async def test_run_rides_out_outages_with_backoff() -> None:
     store, publisher = MemoryStore(), ScriptedPublisher()
     store.add()

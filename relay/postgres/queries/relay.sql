@@ -1,5 +1,5 @@
--- What a relay runs (relay/postgres/store.py, listener.py), as the relay role: claims, leases,
--- settles, the orphan and key chores, and the gauges' readings.
+-- What a relay runs (relay/postgres/store.py, listener.py, doorbell.py), as the relay role:
+-- claims, leases, settles, the orphan and key chores, the doorbell, and the gauges' readings.
 -- `{schema}` is replaced by the quoted, validated schema name and `{new_channel}` by the quoted
 -- NOTIFY channel; nothing else is ever spliced into these texts.
 
@@ -141,6 +141,21 @@ SELECT reason, count(*) FROM {schema}.dead GROUP BY reason ORDER BY reason;
 
 -- name: listen
 LISTEN {new_channel};
+
+-- name: arm_doorbell
+-- SHARE on the doorbell, once every producer that holds it has committed (migration 0023): from
+-- now on producers NOTIFY. Held, in an open READ COMMITTED transaction, while the relay sleeps.
+SELECT {schema}.arm_doorbell();
+
+-- name: doorbell_session
+-- The doorbell's session waits for its lock as long as producers hold it, then holds it in an
+-- idle transaction as long as its relay sleeps: no timeout of the server's may end either.
+SELECT set_config('lock_timeout', '0', false), set_config('statement_timeout', '0', false),
+       set_config('idle_in_transaction_session_timeout', '0', false);
+
+-- name: use_doorbell
+-- From now on producers NOTIFY only while a relay sleeps (a relay of this version is running).
+SELECT {schema}.use_doorbell();
 
 -- name: relay_session
 -- Each pooled connection of a relay. Its claims are durable before anything is published: a

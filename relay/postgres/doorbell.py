@@ -1,0 +1,117 @@
+"""The relay's side of the doorbell (migration 0023): armed while it sleeps, so producers notify."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import psycopg
+import tenacity
+
+from relay.core import errors, retry, waiting
+from relay.postgres import pg, sql
+from relay.postgres.pg import translate_errors
+
+log = logging.getLogger("relay.doorbell")
+
+#: Its session is `idle in transaction` for as long as its relay sleeps (with no xid and no
+#: snapshot: it pins nothing); a monitor that alerts on such sessions can leave this name out.
+APPLICATION_NAME = f"{pg.APPLICATION_NAME} doorbell"
+
+
+class Doorbell:
+    """Producers NOTIFY only while some relay holds the doorbell (docs/decisions/0008). The loop
+    calls `arm()` before it sleeps and `disarm()` once it works back to back; `armed` is set while
+    the doorbell is held, which also means that every producer that committed without notifying
+    did so before it was: a look for work after `armed` is set sees their rows.
+
+    Its own connection holds the lock in an open READ COMMITTED transaction with no xid and no
+    snapshot, so it pins nothing. It reconnects by itself; while it is away, polling covers the
+    gap (producers notify nobody, as while every relay is busy)."""
+
+    def __init__(self, conninfo: str, schema: str) -> None:
+        self._conninfo = conninfo
+        self._schema = schema
+        self._q = sql.load(schema)
+        #: Set while the doorbell is held and the loop still wants it.
+        self.armed = asyncio.Event()
+        self._wanted = asyncio.Event()
+        self._unwanted = asyncio.Event()
+        self._unwanted.set()
+        self.arms = 0
+
+    def arm(self) -> None:
+        """Take the doorbell in the background (`armed` is set once it is held)."""
+        self._unwanted.clear()
+        self._wanted.set()
+
+    def disarm(self) -> None:
+        """Let go of it in the background; `armed` is clear from now on."""
+        self.armed.clear()
+        self._wanted.clear()
+        self._unwanted.set()
+
+    async def run(self) -> None:
+        """Serve arm() and disarm() until cancelled, reconnecting with back-off."""
+        retrying = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception(retry.is_transient),
+            wait=retry.reconnect_wait(),
+            before_sleep=lambda state: log.warning(
+                "doorbell connection lost (%s); polling covers the gap, reconnecting",
+                state.outcome.exception() if state.outcome else "?",
+            ),
+        )
+        async for attempt in retrying:
+            with attempt:
+                await self._serve()
+
+    async def _serve(self) -> None:
+        with translate_errors(self._schema):
+            conn = await psycopg.AsyncConnection.connect(
+                self._conninfo, autocommit=True, application_name=APPLICATION_NAME
+            )
+            try:
+                await conn.execute(self._q.use_doorbell)
+                await conn.execute(self._q.doorbell_session)
+                await conn.set_autocommit(False)
+                await conn.set_isolation_level(psycopg.IsolationLevel.READ_COMMITTED)
+                while True:
+                    await self._wanted.wait()
+                    if await self._take(conn):
+                        await self._hold(conn)
+                    await conn.rollback()  # lets go (the transaction wrote nothing)
+            finally:
+                self.armed.clear()
+                await conn.close()
+
+    async def _hold(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """Until the loop lets go. An idle session hears from the server only when it is ended
+        (terminated, or the server goes down): then the lock is gone, and so is `armed`."""
+        loop = asyncio.get_running_loop()
+        spoken = asyncio.Event()
+        loop.add_reader(conn.fileno(), spoken.set)
+        try:
+            await waiting.any_event((self._unwanted, spoken), None)
+        finally:
+            loop.remove_reader(conn.fileno())
+            self.armed.clear()
+        if spoken.is_set():
+            raise errors.DatabaseUnavailable("the server ended the doorbell's session")
+
+    async def _take(self, conn: psycopg.AsyncConnection[Any]) -> bool:
+        """Wait for the lock unless the loop stops wanting it first; whether it is held."""
+        locking = asyncio.ensure_future(conn.execute(self._q.arm_doorbell))
+        await waiting.done_or_set(locking, self._unwanted)
+        if not locking.done():
+            await conn.cancel_safe()
+            with contextlib.suppress(psycopg.errors.QueryCanceled):
+                await locking
+            return False
+        await locking
+        if self._unwanted.is_set():
+            return False
+        self.arms += 1
+        self.armed.set()
+        return True
