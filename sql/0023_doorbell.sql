@@ -7,10 +7,12 @@
 -- 880/s beside a busy relay on two cores, where 2,000/s were offered.
 --
 -- A relay needs the wake-up only when it is about to sleep; a relay that is busy claims again at
--- once. So a relay that finds nothing to do arms a doorbell first: it takes SHARE on the empty
--- table `doorbell` (arm_doorbell), holds it in an open transaction — no xid, no snapshot: it
--- pins nothing — while it sleeps, and looks once more for work before sleeping. A producer's
--- enqueue tries ROW EXCLUSIVE on `doorbell`, NOWAIT (_ring): the two modes conflict.
+-- once. So a relay that finds nothing to do arms a doorbell first: it takes SHARE on the view
+-- `doorbell`, which shows nothing (arm_doorbell), holds it in an open transaction — no xid, no
+-- snapshot: it pins nothing — while it sleeps, and looks once more for work before sleeping. A
+-- producer's enqueue tries ROW EXCLUSIVE on `doorbell`, NOWAIT (_ring): the two modes conflict.
+-- A view, not a table: VACUUM, ANALYZE and autovacuum (which would wait for SHARE to go) pass
+-- views by, and LOCK treats a view as it does a table.
 --
 --   * It gets the lock: no relay sleeps, nor is arming. It notifies nobody. It holds the lock to
 --     its commit, so a relay that arms from now on waits for that commit before its last look,
@@ -18,7 +20,7 @@
 --   * It does not (a relay holds the doorbell, or waits for it): it notifies, as before.
 --
 -- Relays share the doorbell (SHARE does not conflict with itself); producers share it too (ROW
--- EXCLUSIVE neither). A relay that dies lets go with its session. Nothing else locks the table.
+-- EXCLUSIVE neither). A relay that dies lets go with its session. Nothing else locks the view.
 --
 -- Upgrading: settings.doorbell (false) keeps every producer notifying until the first relay of
 -- this version turns it on (use_doorbell, when its doorbell connects). Relays of the previous
@@ -28,9 +30,9 @@
 
 SET LOCAL lock_timeout = '10s';
 
-CREATE TABLE doorbell ();
-COMMENT ON TABLE doorbell IS
-    'Never holds a row: relays that sleep hold SHARE on it, producers try ROW EXCLUSIVE (0023).';
+CREATE VIEW doorbell AS SELECT 1 AS never WHERE false;
+COMMENT ON VIEW doorbell IS
+    'Never shows a row: relays that sleep hold SHARE on it, producers try ROW EXCLUSIVE (0023).';
 
 ALTER TABLE settings ADD COLUMN doorbell boolean NOT NULL DEFAULT false;
 

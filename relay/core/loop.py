@@ -51,6 +51,7 @@ class Relay:
         self.recheck = recheck or asyncio.Event()
         self.recheck.set()
         self._doorbell = doorbell
+        self._looking_after: int | None = None  # the arm the current cycle's look began after
         self._on_cycle = on_cycle
         self._stopping = asyncio.Event()  # claim nothing more; give back what is not yet sent
         self._abort = asyncio.Event()  # the shutdown grace is over: stop waiting for confirms
@@ -209,6 +210,7 @@ class Relay:
                     # is for rows that claim did not see: keep it for after that batch.
                     if not self.leases.claimed_ahead:
                         self.wake.clear()
+                    self._looking_after = self._held_since()
                     report = await self._cycle(stop)
                     # Straight on while the next batch is already claimed, while batches come
                     # back full (in rows, or in bytes: cut short), or when settles freed keyed
@@ -235,17 +237,26 @@ class Relay:
         if self._doorbell is not None:
             self._doorbell.disarm()
 
+    def _held_since(self) -> int | None:
+        """Which arm of the doorbell this relay holds now (None: it holds none)."""
+        bell = self._doorbell
+        return bell.arms if bell is not None and bell.armed.is_set() else None
+
     async def _sleep(self, stop: asyncio.Event) -> None:
         """Wait for a NOTIFY (`wake`) or the poll interval. Producers notify only while a relay
-        holds the doorbell, so a relay that does not hold it yet arms it and ends this wait once
-        it is held: every producer that did not notify has committed by then, and the next cycle
-        looks once more before the relay sleeps for good."""
+        holds the doorbell, and one that did not notify committed before the doorbell was taken:
+        so the relay sleeps only once a look that began after it took the doorbell found nothing.
+        A relay that does not hold it yet arms it and ends this wait once it is held (or taken
+        during the last look: it ends at once), and the next cycle looks once more; one whose
+        doorbell went with its session looks again too."""
         bell = self._doorbell
-        if bell is None or bell.armed.is_set():
+        if bell is None:
             await waiting.any_event((self.wake, stop), self._options.poll_interval)
-            return
-        bell.arm()
-        await waiting.any_event((self.wake, stop, bell.armed), self._options.poll_interval)
+        elif not bell.armed.is_set():
+            bell.arm()
+            await waiting.any_event((self.wake, stop, bell.armed), self._options.poll_interval)
+        elif self._looking_after == bell.arms:
+            await waiting.any_event((self.wake, stop, bell.lost), self._options.poll_interval)
 
     @contextlib.asynccontextmanager
     async def _keeping(self) -> AsyncIterator[None]:

@@ -61,10 +61,13 @@ class Store(Protocol):
 
 class Doorbell(Protocol):
     """Producers wake a relay (NOTIFY) only while some relay holds the doorbell. `armed` is set
-    while this relay holds it: every producer that committed without waking anyone did so before
-    it was set, so a look for work after it sees their rows."""
+    while this relay holds it and `arms` counts the times it took it: every producer that
+    committed without waking anyone did so before the latest, so a look for work that began
+    after it sees their rows. `lost` is set when the doorbell went with its session."""
 
     armed: asyncio.Event
+    lost: asyncio.Event
+    arms: int
 
     def arm(self) -> None:
         """Take it in the background, before sleeping."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
@@ -19,13 +18,24 @@ log = logging.getLogger("relay.doorbell")
 #: Its session is `idle in transaction` for as long as its relay sleeps (with no xid and no
 #: snapshot: it pins nothing); a monitor that alerts on such sessions can leave this name out.
 APPLICATION_NAME = f"{pg.APPLICATION_NAME} doorbell"
+#: How often a cancel of an arm no longer wanted is sent again: one that reaches the server
+#: between the transaction's BEGIN and the lock's statement is ignored.
+CANCEL_EVERY = 0.1
+#: TCP keepalives of the session (seconds), both ends: a connection a NAT dropped while the relay
+#: slept is noticed in about a minute, and the server lets go of the lock it held.
+KEEPALIVE_IDLE, KEEPALIVE_INTERVAL = 30, 10
+
+
+class _Lost(Exception):
+    """The session that held (or waited for) the doorbell ended."""
 
 
 class Doorbell:
     """Producers NOTIFY only while some relay holds the doorbell (docs/decisions/0008). The loop
-    calls `arm()` before it sleeps and `disarm()` once it works back to back; `armed` is set while
-    the doorbell is held, which also means that every producer that committed without notifying
-    did so before it was: a look for work after `armed` is set sees their rows.
+    calls `arm()` before it sleeps and `disarm()` once it works back to back. `armed` is set while
+    the doorbell is held, and `arms` counts the times it was taken: every producer that committed
+    without notifying did so before the latest arm, so a look for work that began after it sees
+    their rows. `lost` is set when the server ended a session that held it.
 
     Its own connection holds the lock in an open READ COMMITTED transaction with no xid and no
     snapshot, so it pins nothing. It reconnects by itself; while it is away, polling covers the
@@ -35,15 +45,16 @@ class Doorbell:
         self._conninfo = conninfo
         self._schema = schema
         self._q = sql.load(schema)
-        #: Set while the doorbell is held and the loop still wants it.
         self.armed = asyncio.Event()
+        self.lost = asyncio.Event()
+        self.arms = 0
         self._wanted = asyncio.Event()
         self._unwanted = asyncio.Event()
         self._unwanted.set()
-        self.arms = 0
 
     def arm(self) -> None:
         """Take the doorbell in the background (`armed` is set once it is held)."""
+        self.lost.clear()
         self._unwanted.clear()
         self._wanted.set()
 
@@ -54,37 +65,62 @@ class Doorbell:
         self._unwanted.set()
 
     async def run(self) -> None:
-        """Serve arm() and disarm() until cancelled, reconnecting with back-off."""
-        retrying = tenacity.AsyncRetrying(
-            retry=tenacity.retry_if_exception(retry.is_transient),
-            wait=retry.reconnect_wait(),
-            before_sleep=lambda state: log.warning(
-                "doorbell connection lost (%s); polling covers the gap, reconnecting",
-                state.outcome.exception() if state.outcome else "?",
-            ),
-        )
-        async for attempt in retrying:
-            with attempt:
-                await self._serve()
+        """Serve arm() and disarm() until cancelled, reconnecting with back-off (which starts
+        again from its shortest wait after a connection that worked)."""
+        while True:
+            retrying = tenacity.AsyncRetrying(
+                retry=tenacity.retry_if_exception(retry.is_transient),
+                wait=retry.reconnect_wait(),
+                before_sleep=lambda state: log.warning(
+                    "doorbell connection failed (%s); polling covers the gap, retrying",
+                    state.outcome.exception() if state.outcome else "?",
+                ),
+            )
+            try:
+                async for attempt in retrying:
+                    with attempt:
+                        await self._serve()
+            except _Lost as exc:
+                log.warning("doorbell connection lost (%s); polling covers the gap", exc)
 
     async def _serve(self) -> None:
         with translate_errors(self._schema):
             conn = await psycopg.AsyncConnection.connect(
-                self._conninfo, autocommit=True, application_name=APPLICATION_NAME
+                self._conninfo,
+                autocommit=True,
+                application_name=APPLICATION_NAME,
+                prepare_threshold=None,  # a prepared statement's portal would keep a snapshot
+                keepalives=1,
+                keepalives_idle=KEEPALIVE_IDLE,
+                keepalives_interval=KEEPALIVE_INTERVAL,
             )
-            try:
+        try:
+            with translate_errors(self._schema):
                 await conn.execute(self._q.use_doorbell)
                 await conn.execute(self._q.doorbell_session)
+                if conn.info.server_version >= 140000:
+                    await conn.execute(self._q.doorbell_no_idle_timeout)
+                if conn.info.server_version >= 170000:
+                    await conn.execute(self._q.doorbell_no_transaction_timeout)
                 await conn.set_autocommit(False)
                 await conn.set_isolation_level(psycopg.IsolationLevel.READ_COMMITTED)
-                while True:
-                    await self._wanted.wait()
-                    if await self._take(conn):
-                        await self._hold(conn)
-                    await conn.rollback()  # lets go (the transaction wrote nothing)
-            finally:
-                self.armed.clear()
-                await conn.close()
+            await self._serve_on(conn)
+        finally:
+            self.armed.clear()
+            await conn.close()
+
+    async def _serve_on(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        try:
+            while True:
+                await self._wanted.wait()
+                if await self._take(conn):
+                    await self._hold(conn)
+                await conn.rollback()  # lets go (the transaction wrote nothing)
+        except (psycopg.OperationalError, errors.DatabaseUnavailable) as exc:
+            if self.armed.is_set() or self._wanted.is_set():
+                self.lost.set()
+            self.armed.clear()
+            raise _Lost(str(exc) or type(exc).__name__) from exc
 
     async def _hold(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """Until the loop lets go. An idle session hears from the server only when it is ended
@@ -96,20 +132,21 @@ class Doorbell:
             await waiting.any_event((self._unwanted, spoken), None)
         finally:
             loop.remove_reader(conn.fileno())
-            self.armed.clear()
         if spoken.is_set():
             raise errors.DatabaseUnavailable("the server ended the doorbell's session")
+        self.armed.clear()
 
     async def _take(self, conn: psycopg.AsyncConnection[Any]) -> bool:
         """Wait for the lock unless the loop stops wanting it first; whether it is held."""
         locking = asyncio.ensure_future(conn.execute(self._q.arm_doorbell))
         await waiting.done_or_set(locking, self._unwanted)
-        if not locking.done():
+        while not locking.done():
             await conn.cancel_safe()
-            with contextlib.suppress(psycopg.errors.QueryCanceled):
-                await locking
+            await asyncio.wait({locking}, timeout=CANCEL_EVERY)
+        withdrawn = isinstance(locking.exception(), psycopg.errors.QueryCanceled)
+        if withdrawn and self._unwanted.is_set():
             return False
-        await locking
+        locking.result()
         if self._unwanted.is_set():
             return False
         self.arms += 1

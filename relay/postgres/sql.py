@@ -39,6 +39,8 @@ class Queries:
     arm_doorbell: LiteralString
     use_doorbell: LiteralString
     doorbell_session: LiteralString
+    doorbell_no_idle_timeout: LiteralString
+    doorbell_no_transaction_timeout: LiteralString
     enqueue: LiteralString
     enqueue_many: LiteralString
     create_schema: LiteralString

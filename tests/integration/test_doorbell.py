@@ -187,6 +187,11 @@ async def _no_waiter(url: str) -> bool:
 
 
 async def test_a_held_doorbell_pins_nothing(bell: Doorbell, database_url: str) -> None:
+    for _ in range(7):  # past psycopg's prepare threshold: a prepared arm would keep a snapshot
+        bell.arm()
+        await asyncio.wait_for(bell.armed.wait(), 10)
+        bell.disarm()
+        await until_async(lambda: _no_lock(database_url), timeout=10, message="the let-go")
     bell.arm()
     await asyncio.wait_for(bell.armed.wait(), 10)
     async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
@@ -244,3 +249,15 @@ async def test_an_idle_relay_is_woken_through_its_doorbell(
                 assert got.body == str(i).encode()
                 assert time.monotonic() - committed < 20  # far below the poll
                 await asyncio.wait_for(parts.doorbell.armed.wait(), 10)
+
+
+async def test_a_held_doorbell_does_not_hold_up_vacuum_or_analyze(
+    bell: Doorbell, database_url: str
+) -> None:
+    bell.arm()
+    await asyncio.wait_for(bell.armed.wait(), 10)
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        await conn.execute("SET lock_timeout = '5s'")
+        await conn.execute("VACUUM")  # the whole database, as vacuumdb does
+        await conn.execute("ANALYZE")
+    assert bell.armed.is_set()

@@ -4,6 +4,7 @@ REPEATABLE READ producer whose snapshot is older than the switch and still write
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -16,6 +17,7 @@ from psycopg import sql
 
 from relay.core import model
 from relay.postgres import admin, locks
+from relay.postgres.doorbell import Doorbell
 from tests.integration.test_ready_lane import enqueue, store
 from tests.support.processes import assert_one_line_error, clean_env, run_cli
 
@@ -132,9 +134,14 @@ async def test_lane_off_refuses_to_vouch_for_a_session_that_hides_its_transactio
 async def test_lane_off_does_not_wait_for_a_lock_holder_but_for_a_producer(
     database_url: str,
 ) -> None:
-    # A pruner's lock sits in a transaction for the whole run, with no xid and no snapshot: it has
-    # written nothing and would see the switch; a producer that began before it must be waited for.
+    # A pruner's lock sits in a transaction for the whole run, and an idle relay's doorbell for as
+    # long as it sleeps, with no xid and no snapshot: neither has written anything, and each would
+    # see the switch; a producer that began before it must be waited for.
     since = datetime.now(UTC)
+    bell = Doorbell(database_url, "outbox")
+    ringing = asyncio.create_task(bell.run())
+    bell.arm()
+    await asyncio.wait_for(bell.armed.wait(), 10)
     with (
         locks.exclusive(database_url, "outbox", "prune", wait=False) as held,
         admin.Admin.connect(database_url) as ops,
@@ -144,3 +151,6 @@ async def test_lane_off_does_not_wait_for_a_lock_holder_but_for_a_producer(
         with psycopg.connect(database_url) as producer:
             producer.execute("SELECT 1")  # a transaction open from before the switch
             assert ops.transactions_since(since + timedelta(seconds=5))[0] == 1
+    assert bell.armed.is_set()  # held all along
+    ringing.cancel()
+    await asyncio.gather(ringing, return_exceptions=True)

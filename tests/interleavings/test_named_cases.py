@@ -4,10 +4,12 @@ world's own checks: nothing sent that should not have been, and everything drain
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import pytest
 
+from relay.postgres.doorbell import Doorbell
 from relay.postgres.store import FULL_ORPHAN_PASS_EVERY, LATE_COMMIT
 from relay.postgres.window import STRAGGLER_WAIT, SWEEP_AFTER
 from tests.interleavings.world import LEASE, RelayActor, World, reset
@@ -170,6 +172,35 @@ def test_a_producer_commit_never_waits_for_a_settle_of_its_predecessors(world: W
     assert world.finish() == []
     assert [seq for seq, _, _ in sent(world, "a")] == [1, 2]
     assert [seq for seq, _, _ in sent(world, "b")] == [1, 2]
+
+
+def test_a_keyed_row_released_at_commit_while_a_relay_holds_the_doorbell_never_waits(
+    world: World,
+) -> None:
+    # Migration 0023: while a relay sleeps holding the doorbell, a producer's ring fails NOWAIT —
+    # here inside the key gate's trigger at COMMIT, releasing a row whose predecessor a settle
+    # removed meanwhile — and notifies instead. The COMMIT must neither wait nor fail, and the
+    # key keeps its order. (Every other case runs with the doorbell on and nobody holding it:
+    # each ring then takes the lock instead.)
+    a, _ = world.relays
+    bell = Doorbell(world.url, "outbox")
+    serving = world.loop.create_task(bell.run())
+    try:
+        bell.arm()
+        world.run(asyncio.wait_for(bell.armed.wait(), 10))
+        world.commit_now("k")
+        late = world.producers[0]
+        world.begin(late, repeatable=False)
+        world.enqueue(late, "k")  # k#2, gated behind k#1
+        world.grant(world.until(a, "publish"), "ack")
+        world.grant(world.until(a, "settle"))  # k#1 settled: k#2 is released at late's COMMIT
+        world.commit(late)  # checks that the COMMIT did not wait (and did not fail)
+        assert bell.armed.is_set()
+    finally:
+        serving.cancel()
+        world.run(asyncio.gather(serving, return_exceptions=True))
+    assert world.finish() == []
+    assert [seq for seq, _, _ in sent(world, "k")] == [1, 2]
 
 
 # -- the ready lane (issue 18): unkeyed messages that are due at once -------------------------

@@ -936,3 +936,6 @@ def reset(url: str) -> None:
         )
         conn.execute("UPDATE outbox.key_policies SET on_dead = 'block', concurrency = 1")
         conn.execute("UPDATE outbox.settings SET fast_lane = true")  # both lanes, as in production
+        # Producers ring the doorbell (migration 0023) instead of notifying while no relay holds
+        # it, as in production: their lock must never make a COMMIT wait (`commit` checks it).
+        conn.execute("UPDATE outbox.settings SET doorbell = true")

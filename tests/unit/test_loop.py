@@ -415,6 +415,8 @@ class FakeDoorbell:
 
     def __init__(self, calls: list[str]) -> None:
         self.armed = asyncio.Event()
+        self.lost = asyncio.Event()
+        self.arms = 0
         self.granted = asyncio.Event()
         self._calls = calls
         self._wanted = False
@@ -429,8 +431,16 @@ class FakeDoorbell:
 
     async def _grant(self) -> None:
         await self.granted.wait()
-        if self._wanted:
+        self.grant_now()
+
+    def grant_now(self) -> None:
+        if self._wanted and not self.armed.is_set():
+            self.arms += 1
             self.armed.set()
+
+    def lose(self) -> None:
+        self.armed.clear()
+        self.lost.set()
 
     def disarm(self) -> None:
         self._calls.append("disarm")
@@ -462,6 +472,60 @@ async def test_a_relay_with_nothing_to_do_arms_the_doorbell_and_looks_once_more_
     stop.set()
     await asyncio.wait_for(task, 5)
     assert store.calls[-1] == "disarm"  # a stopped relay lets go
+
+
+async def test_a_doorbell_taken_during_a_look_makes_the_relay_look_once_more() -> None:
+    """The order of events a review found: the arm waits behind producer P (who did not ring); a
+    NOTIFY from another wakes the relay, whose claim takes its snapshot; P commits and the arm is
+    granted while that claim runs. The claim did not see P's row, and no look began after the
+    arm: the relay must look again, not sleep until its poll."""
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    bell = FakeDoorbell(store.calls)
+    claim = store.claim
+    looks = 0
+
+    async def claim_then_grant(limit: int, lease: float) -> model.Claim:
+        nonlocal looks
+        looks += 1
+        found = await claim(limit, lease)
+        if looks == 2:  # the look woken by the NOTIFY
+            store.add()  # P commits after that look's snapshot...
+            bell.grant_now()  # ...and the arm it waited for is granted
+        return found
+
+    store.claim = claim_then_grant  # type: ignore[method-assign]
+    relay = loop.Relay(store, publisher, loop.Options(poll_interval=3600.0), doorbell=bell)
+    stop = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop))
+    await _until(lambda: "arm" in store.calls)
+    relay.wake.set()
+    await _until(lambda: len(store.archive) == 1)
+    assert looks == 3
+    assert store.calls.count("arm") == 1
+    stop.set()
+    await asyncio.wait_for(task, 5)
+
+
+async def test_a_relay_whose_doorbell_went_with_its_session_arms_it_again() -> None:
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    bell = FakeDoorbell(store.calls)
+    bell.granted.set()
+    relay = loop.Relay(store, publisher, loop.Options(poll_interval=3600.0), doorbell=bell)
+    stop = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop))
+    await asyncio.wait_for(bell.armed.wait(), 5)
+    await _until(lambda: store.calls.count("claim") == 2)  # the look after the arm
+    bell.lose()
+    await _until(lambda: store.calls.count("arm") == 2)
+
+    # and, once it holds it again, looks for what was committed while none was held
+    def looked_after_the_last_arm() -> bool:
+        last_arm = len(store.calls) - 1 - store.calls[::-1].index("arm")
+        return "claim" in store.calls[last_arm:]
+
+    await _until(looked_after_the_last_arm)
+    stop.set()
+    await asyncio.wait_for(task, 5)
 
 
 async def test_a_relay_working_back_to_back_lets_go_of_the_doorbell() -> None:

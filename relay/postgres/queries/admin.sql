@@ -30,10 +30,12 @@ FROM {schema}.settings s;
 -- commits whenever someone says); and the sessions this role cannot see into: another role's
 -- without pg_read_all_stats (PostgreSQL then shows no backend_type, state or xact_start), or
 -- one with track_activities off (state 'disabled'). The lock holders of migrate, the pruner and
--- the pipeline (locks.sql) sit in a transaction for a whole run, but with no xid and no snapshot
--- they have written nothing and their next statement would see the switch: not waited for.
+-- the pipeline (locks.sql) sit in a transaction for a whole run, and an idle relay's doorbell
+-- (migration 0023) for as long as it sleeps, but with no xid and no snapshot they have written
+-- nothing and their next statement would see the switch: not waited for.
 SELECT count(*) FILTER (WHERE a.backend_type <> 'autovacuum worker' AND a.xact_start < %(since)s
-                          AND NOT (a.application_name LIKE 'outbox-relay %% lock'
+                          AND NOT ((a.application_name LIKE 'outbox-relay %% lock'
+                                    OR a.application_name = 'outbox-relay doorbell')
                                    AND a.backend_xid IS NULL AND a.backend_xmin IS NULL))
            + (SELECT count(*) FROM pg_prepared_xacts p WHERE p.database = current_database())
            AS open_before,

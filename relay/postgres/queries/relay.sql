@@ -149,9 +149,21 @@ SELECT {schema}.arm_doorbell();
 
 -- name: doorbell_session
 -- The doorbell's session waits for its lock as long as producers hold it, then holds it in an
--- idle transaction as long as its relay sleeps: no timeout of the server's may end either.
+-- idle transaction as long as its relay sleeps: no timeout of the server's may end either. The
+-- server's TCP keepalives notice a client gone silently (a NAT that dropped the connection), so
+-- that the lock does not outlive it by hours (no effect over a Unix socket).
 SELECT set_config('lock_timeout', '0', false), set_config('statement_timeout', '0', false),
-       set_config('idle_in_transaction_session_timeout', '0', false);
+       set_config('idle_in_transaction_session_timeout', '0', false),
+       set_config('tcp_keepalives_idle', '30', false),
+       set_config('tcp_keepalives_interval', '10', false);
+
+-- name: doorbell_no_idle_timeout
+-- PostgreSQL 14's idle_session_timeout would end it between two arms: off.
+SELECT set_config('idle_session_timeout', '0', false);
+
+-- name: doorbell_no_transaction_timeout
+-- PostgreSQL 17's transaction_timeout would end it while it holds the doorbell: off.
+SELECT set_config('transaction_timeout', '0', false);
 
 -- name: use_doorbell
 -- From now on producers NOTIFY only while a relay sleeps (a relay of this version is running).
