@@ -34,6 +34,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -353,6 +354,8 @@ def pinned(
     svc: services.Services, rate: int, seconds: list[float], relay: list[str]
 ) -> dict[str, Any]:
     """One rate through the four phases; prints a line per phase and returns the results."""
+    if shutil.which("pgbench") is None:
+        raise SystemExit("pinned: pgbench offers the load; install PostgreSQL's client package")
     with svc.scratch_database("outbox_perf") as url:
         exchange = f"outbox-perf.{uuid.uuid4().hex[:8]}"
         asyncio.run(declare(svc.amqp_url, exchange, exchange))
