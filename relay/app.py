@@ -156,7 +156,11 @@ async def components(
             None if listen_url is None else Listener(listen_url, settings.db_schema, wake, recheck)
         )
         # Only a relay that hears NOTIFY arms the doorbell (docs/decisions/0008).
-        doorbell = None if listen_url is None else Doorbell(listen_url, settings.db_schema)
+        doorbell = (
+            Doorbell(listen_url, settings.db_schema)
+            if listen_url is not None and settings.doorbell
+            else None
+        )
         counters = counters or metrics.Metrics()
         relay = loop.Relay(
             store,

@@ -98,6 +98,13 @@ class Settings(_Database):
         "OUTBOX_DATABASE_URL, or, with OUTBOX_TRANSACTION_POOLER, none (the relay then polls "
         "every OUTBOX_POLL_INTERVAL).",
     )
+    doorbell: bool = Field(
+        False,
+        description="Arm the doorbell (migration 0023, docs/decisions/0008) while the relay "
+        "sleeps, so that producers notify only then and their commits stop queueing behind NOTIFY's "
+        "lock. Off by default in this release: a relay with it on was once seen stuck after a "
+        "PostgreSQL restart (under investigation). Needs a LISTEN connection.",
+    )
 
     amqp_url: SecretStr = Field(
         SecretStr("amqp://guest:guest@127.0.0.1:5672/"),

@@ -81,6 +81,9 @@ class Doorbell:
                     with attempt:
                         await self._serve()
             except _Lost as exc:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise asyncio.CancelledError from exc  # a loss while being stopped: stop
                 log.warning("doorbell connection lost (%s); polling covers the gap", exc)
 
     async def _serve(self) -> None:

@@ -235,7 +235,7 @@ async def test_an_idle_relay_is_woken_through_its_doorbell(
 ) -> None:
     await broker.declare()
     # A poll of a minute: each message arriving within seconds was woken for.
-    settings = settings_for(database_url, amqp_url, poll_interval=60.0)
+    settings = settings_for(database_url, amqp_url, poll_interval=60.0, doorbell=True)
     async with running(settings) as parts:
         assert parts.doorbell is not None
         await asyncio.wait_for(parts.doorbell.armed.wait(), 10)  # idle: it holds the doorbell
