@@ -101,9 +101,9 @@ class Settings(_Database):
     doorbell: bool = Field(
         False,
         description="Arm the doorbell (migration 0023, docs/decisions/0008) while the relay "
-        "sleeps, so that producers notify only then and their commits stop queueing behind NOTIFY's "
-        "lock. Off by default in this release: a relay with it on was once seen stuck after a "
-        "PostgreSQL restart (under investigation). Needs a LISTEN connection.",
+        "sleeps, so that producers notify only then and their commits stop queueing behind "
+        "NOTIFY's lock. Off by default in this release: a relay with it on was once seen stuck "
+        "after a PostgreSQL restart (under investigation). Needs a LISTEN connection.",
     )
 
     amqp_url: SecretStr = Field(
