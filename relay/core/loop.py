@@ -189,9 +189,7 @@ class Relay:
                         break
                 return total
             finally:
-                grace.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await grace
+                await waiting.finish(grace)
                 await self.drop_prefetched()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -227,9 +225,7 @@ class Relay:
                     await self._sleep(stop)
             finally:
                 self._disarm()
-                grace.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await grace
+                await waiting.finish(grace)
                 await self.drop_prefetched()
 
     def _disarm(self) -> None:
@@ -265,9 +261,7 @@ class Relay:
         try:
             yield
         finally:
-            beating.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beating
+            await waiting.finish(beating)
 
     async def _abort_after_grace(self, stop: asyncio.Event) -> None:
         await stop.wait()

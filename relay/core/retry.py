@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+from collections.abc import Awaitable, Callable
 
 import tenacity
 
@@ -20,6 +22,37 @@ def reconnect_wait(initial: float = 0.1, maximum: float = 30.0) -> tenacity.wait
     return tenacity.wait_exponential(multiplier=initial, max=maximum) + tenacity.wait_random(
         0, initial
     )
+
+
+class Lost(Exception):
+    """A connection that worked has ended: connect again at once, and back off from the start."""
+
+
+async def reconnecting(
+    serve: Callable[[], Awaitable[object]],
+    failed: Callable[[BaseException | None], None],
+    lost: Callable[[Lost], None],
+) -> None:
+    """Run `serve` (which connects, then serves until its connection ends) until cancelled.
+    Transient failures to connect are retried with `reconnect_wait`, calling `failed` before each
+    wait; a connection that worked and ended (`serve` raises `Lost`) calls `lost` and starts the
+    back-off again from its shortest wait — a process that outlives many outages still comes back
+    within a fraction of a second of the next."""
+    while True:
+        retrying = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception(is_transient),
+            wait=reconnect_wait(),
+            before_sleep=lambda state: failed(state.outcome.exception() if state.outcome else None),
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    await serve()
+        except Lost as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError from exc  # lost while being stopped: stop
+            lost(exc)
 
 
 def message_delay(attempt: int, base: float, cap: float) -> float:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
@@ -37,7 +36,14 @@ async def any_of(awaitables: Sequence[Awaitable[object]], seconds: float | None)
     try:
         await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for waiter in waiters:
-            waiter.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(*waiters, return_exceptions=True)
+        await finish(*waiters)
+
+
+async def finish(*tasks: asyncio.Future[Any]) -> None:
+    """Cancel `tasks` and wait until they have ended, whatever they raise. A cancel of the caller
+    while it waits propagates: one swallowed here once left the doorbell's chore running after
+    it was stopped (`contextlib.suppress(CancelledError)` around the await would swallow it)."""
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks)

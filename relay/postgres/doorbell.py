@@ -7,7 +7,6 @@ import logging
 from typing import Any
 
 import psycopg
-import tenacity
 
 from relay.core import errors, retry, waiting
 from relay.postgres import pg, sql
@@ -24,10 +23,6 @@ CANCEL_EVERY = 0.1
 #: TCP keepalives of the session (seconds), both ends: a connection a NAT dropped while the relay
 #: slept is noticed in about a minute, and the server lets go of the lock it held.
 KEEPALIVE_IDLE, KEEPALIVE_INTERVAL = 30, 10
-
-
-class _Lost(Exception):
-    """The session that held (or waited for) the doorbell ended."""
 
 
 class Doorbell:
@@ -67,24 +62,13 @@ class Doorbell:
     async def run(self) -> None:
         """Serve arm() and disarm() until cancelled, reconnecting with back-off (which starts
         again from its shortest wait after a connection that worked)."""
-        while True:
-            retrying = tenacity.AsyncRetrying(
-                retry=tenacity.retry_if_exception(retry.is_transient),
-                wait=retry.reconnect_wait(),
-                before_sleep=lambda state: log.warning(
-                    "doorbell connection failed (%s); polling covers the gap, retrying",
-                    state.outcome.exception() if state.outcome else "?",
-                ),
-            )
-            try:
-                async for attempt in retrying:
-                    with attempt:
-                        await self._serve()
-            except _Lost as exc:
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
-                    raise asyncio.CancelledError from exc  # a loss while being stopped: stop
-                log.warning("doorbell connection lost (%s); polling covers the gap", exc)
+        await retry.reconnecting(
+            self._serve,
+            lambda exc: log.warning(
+                "doorbell connection failed (%s); polling covers the gap, retrying", exc
+            ),
+            lambda exc: log.warning("doorbell connection lost (%s); polling covers the gap", exc),
+        )
 
     async def _serve(self) -> None:
         with translate_errors(self._schema):
@@ -123,7 +107,7 @@ class Doorbell:
             if self.armed.is_set() or self._wanted.is_set():
                 self.lost.set()
             self.armed.clear()
-            raise _Lost(str(exc) or type(exc).__name__) from exc
+            raise retry.Lost(str(exc) or type(exc).__name__) from exc
 
     async def _hold(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """Until the loop lets go. An idle session hears from the server only when it is ended

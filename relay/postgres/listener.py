@@ -6,7 +6,6 @@ import asyncio
 import logging
 
 import psycopg
-import tenacity
 
 from relay.core import errors, retry
 from relay.postgres import pg, sql
@@ -42,36 +41,40 @@ class Listener:
         self.notifications = 0
 
     async def run(self) -> None:
-        """Listen until cancelled, reconnecting with back-off when the connection drops."""
-        retrying = tenacity.AsyncRetrying(
-            retry=tenacity.retry_if_exception(retry.is_transient),
-            wait=retry.reconnect_wait(),
-            before_sleep=lambda state: log.warning(
-                "LISTEN connection lost (%s); polling covers the gap, reconnecting",
-                state.outcome.exception() if state.outcome else "?",
+        """Listen until cancelled, reconnecting with back-off when the connection drops (from
+        its shortest wait again after each connection that worked)."""
+        await retry.reconnecting(
+            self._listen_once,
+            lambda exc: log.warning(
+                "LISTEN connection failed (%s); polling covers the gap, reconnecting", exc
+            ),
+            lambda exc: log.warning(
+                "LISTEN connection lost (%s); polling covers the gap, reconnecting", exc
             ),
         )
-        async for attempt in retrying:
-            with attempt:
-                await self._listen_once()
 
     async def _listen_once(self) -> None:
         with translate_errors(self._schema):
             conn = await psycopg.AsyncConnection.connect(
                 self._conninfo, autocommit=True, application_name=pg.APPLICATION_NAME
             )
-            try:
+        try:
+            with translate_errors(self._schema):
                 await conn.execute(self._listen)
-                self.connects += 1
-                self.connected.set()
-                self.wake.set()
-                self.recheck.set()  # notifications sent while away are gone
-                async for notify in conn.notifies():
-                    self.notifications += 1
-                    if notify.payload == RECHECK:
-                        self.recheck.set()
-                    self.wake.set()
-            finally:
-                self.connected.clear()
-                await conn.close()
-        raise errors.DatabaseUnavailable("LISTEN connection closed")
+            self.connects += 1
+            self.connected.set()
+            self.wake.set()
+            self.recheck.set()  # notifications sent while away are gone
+            try:
+                with translate_errors(self._schema):
+                    async for notify in conn.notifies():
+                        self.notifications += 1
+                        if notify.payload == RECHECK:
+                            self.recheck.set()
+                        self.wake.set()
+            except errors.TransientError as exc:
+                raise retry.Lost(str(exc)) from exc
+            raise retry.Lost("LISTEN connection closed")
+        finally:
+            self.connected.clear()
+            await conn.close()

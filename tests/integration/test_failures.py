@@ -261,6 +261,50 @@ async def test_postgres_restart_is_survived(
         await assert_all_delivered(broker, database_url, first + second)
 
 
+@pytest.mark.parametrize("doorbell", ["held", "awaited"])
+async def test_postgres_restart_with_the_doorbell_held_or_awaited_is_survived(
+    database_url: str, amqp_url: str, broker: Broker, svc: Services, doorbell: str
+) -> None:
+    # With the arm waiting for a producer when the server went down, the relay once did not stop:
+    # the doorbell's chore swallowed its cancel (relay.core.waiting.finish).
+    if svc.database_ctl is None:
+        pytest.skip("needs a local PostgreSQL cluster to restart (pg_ctlcluster)")
+    await broker.declare()
+    settings = settings_for(database_url, amqp_url, doorbell=True)
+    async with running(settings) as parts, contextlib.AsyncExitStack() as stack:
+        bell = parts.doorbell
+        assert bell is not None
+        first = await enqueue(database_url, *messages(broker.exchange, 50, "before"))
+        await until_async(lambda: asyncio.sleep(0, bell.armed.is_set()), message="an idle relay")
+        if doorbell == "awaited":
+            # A producer takes its side of the doorbell while the relay drains a backlog and
+            # holds it to the end: the relay's next arm waits for it.
+            first += await enqueue(database_url, *messages(broker.exchange, 20_000, "busy"))
+            producer = await psycopg.AsyncConnection.connect(database_url)
+            stack.push_async_callback(producer.close)  # the restart ends its transaction
+
+            async def rung() -> bool:
+                try:
+                    await producer.execute("LOCK outbox.doorbell IN ROW EXCLUSIVE MODE NOWAIT")
+                except psycopg.errors.LockNotAvailable:
+                    await producer.rollback()
+                    return False
+                return True
+
+            await until_async(rung, timeout=30, message="the producer's side of the doorbell")
+            waiting_arm = (
+                "SELECT count(*) = 1 FROM pg_locks"
+                " WHERE NOT granted AND relation = 'outbox.doorbell'::regclass"
+            )
+            await until_async(lambda: scalar(database_url, waiting_arm), message="a waiting arm")
+        before = listening(parts).connects
+        await asyncio.to_thread(svc.database_ctl, "restart")
+        await reconnected(listening(parts), before)
+        await until_async(lambda: asyncio.sleep(0, bell.armed.is_set()), message="armed again")
+        second = await enqueue(database_url, *messages(broker.exchange, 100, "after"))
+        await assert_all_delivered(broker, database_url, first + second)
+
+
 async def test_transactions_are_never_left_idle_across_a_slow_publish(
     database_url: str, amqp_url: str, broker: Broker, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -36,15 +36,19 @@ async def test_commit_wakes_the_relay(listener: Listener, database_url: str) -> 
     assert listener.notifications == 1
 
 
-async def test_listener_reconnects_after_its_backend_is_terminated(
-    listener: Listener, database_url: str
-) -> None:
-    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as admin:
+async def terminate_listener(url: str) -> None:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as admin:
         cur = await admin.execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
             " WHERE query LIKE 'LISTEN%%' AND datname = current_database()"
         )
         assert [row[0] for row in await cur.fetchall()] == [True]
+
+
+async def test_listener_reconnects_after_its_backend_is_terminated(
+    listener: Listener, database_url: str
+) -> None:
+    await terminate_listener(database_url)
 
     async def reconnected() -> bool:
         return listener.connects == 2 and listener.connected.is_set()
@@ -53,6 +57,20 @@ async def test_listener_reconnects_after_its_backend_is_terminated(
     listener.wake.clear()
     await enqueue_one(database_url)
     await asyncio.wait_for(listener.wake.wait(), 10)
+
+
+async def test_a_listener_that_outlived_many_outages_still_comes_back_at_once(
+    listener: Listener, database_url: str
+) -> None:
+    # Its back-off once counted every loss of the process's life: after ten, each reconnect
+    # waited 25-30 s (during which only polling woke the relay).
+    for lost in range(1, 13):
+        await terminate_listener(database_url)
+
+        async def reconnected(expected: int = lost + 1) -> bool:
+            return listener.connects == expected and listener.connected.is_set()
+
+        await until_async(reconnected, timeout=5, message=f"reconnect {lost} to come at once")
 
 
 async def test_a_commit_that_queued_a_key_recheck_asks_the_relays_to_look(
