@@ -99,11 +99,11 @@ class Settings(_Database):
         "every OUTBOX_POLL_INTERVAL).",
     )
     doorbell: bool = Field(
-        False,
+        True,
         description="Arm the doorbell (migration 0023, docs/decisions/0008) while the relay "
         "sleeps, so that producers notify only then and their commits stop queueing behind "
-        "NOTIFY's lock. Off by default in this release: a relay with it on was once seen stuck "
-        "after a PostgreSQL restart (under investigation). Needs a LISTEN connection.",
+        "NOTIFY's lock. Needs a LISTEN connection. Off: the relay opens no doorbell session, and "
+        "while no relay holds it every enqueue notifies, as before 0023.",
     )
 
     amqp_url: SecretStr = Field(
