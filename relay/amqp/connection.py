@@ -58,6 +58,8 @@ async def open_confirming(
             "OUTBOX_AMQP_URL does not exist, or this user may not use it"
         ) from exc
     except (*outcomes.CONNECTION_ERRORS, RuntimeError) as exc:
+        if outcomes.stopping():
+            raise
         raise errors.BrokerUnavailable(f"RabbitMQ unavailable: {outcomes.describe(exc)}") from exc
 
 

@@ -29,6 +29,16 @@ BROKER_ERRORS = (
 )
 #: Errors after which a message may or may not have reached the broker.
 CONNECTION_ERRORS = (*BROKER_ERRORS, asyncio.CancelledError)
+
+
+def stopping() -> bool:
+    """Whether the current task is being cancelled: aiormq raises CancelledError when a
+    connection is lost, so a CancelledError caught as a connection error is re-raised when the
+    cancel was the caller's own (a shutdown), never turned into a broker error."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 SIZE_LIMIT = re.compile(r"message size \d+ is larger than configured max size (\d+)")
 
 

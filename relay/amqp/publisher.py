@@ -103,8 +103,11 @@ class AmqpPublisher:
         self._channel = None
         self._exchanges.forget_channel()
         if closing is not None and not closing.is_closed:
-            with contextlib.suppress(*outcomes.CONNECTION_ERRORS, RuntimeError):
+            try:
                 await asyncio.wait_for(closing.close(), self._connect_timeout)
+            except (*outcomes.CONNECTION_ERRORS, RuntimeError):
+                if outcomes.stopping():
+                    raise
 
     async def publish(
         self,
@@ -219,6 +222,8 @@ class AmqpPublisher:
             try:
                 confirms = await sending.batch(channel, messages, todo, self._frame_max)
             except outcomes.CONNECTION_ERRORS as exc:
+                if outcomes.stopping():
+                    raise
                 why = f"the channel closed before publishing: {outcomes.describe(exc)}"
                 return {i: outcomes.ambiguous(why) for i in todo}, None
             tasks = {i: clock.watch(i, c) for i, c in zip(todo, confirms, strict=True)}

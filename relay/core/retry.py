@@ -24,6 +24,10 @@ def reconnect_wait(initial: float = 0.1, maximum: float = 30.0) -> tenacity.wait
     )
 
 
+#: A connection lost this soon (seconds) after it was made counts as lost at once.
+QUICK_LOSS = 5.0
+
+
 class Lost(Exception):
     """A connection that worked has ended: connect again at once, and back off from the start."""
 
@@ -32,27 +36,42 @@ async def reconnecting(
     serve: Callable[[], Awaitable[object]],
     failed: Callable[[BaseException | None], None],
     lost: Callable[[Lost], None],
+    quick_loss: float = QUICK_LOSS,
 ) -> None:
     """Run `serve` (which connects, then serves until its connection ends) until cancelled.
     Transient failures to connect are retried with `reconnect_wait`, calling `failed` before each
     wait; a connection that worked and ended (`serve` raises `Lost`) calls `lost` and starts the
     back-off again from its shortest wait — a process that outlives many outages still comes back
     within a fraction of a second of the next."""
+    loop = asyncio.get_running_loop()
+    quick = 0  # connections in a row that ended within `quick_loss` seconds of being made
     while True:
         retrying = tenacity.AsyncRetrying(
             retry=tenacity.retry_if_exception(is_transient),
             wait=reconnect_wait(),
             before_sleep=lambda state: failed(state.outcome.exception() if state.outcome else None),
         )
+        began = loop.time()
         try:
             async for attempt in retrying:
                 with attempt:
-                    await serve()
+                    began = loop.time()
+                    try:
+                        await serve()
+                    except Exception as exc:
+                        task = asyncio.current_task()
+                        if task is not None and task.cancelling():
+                            # An error in place of a cancel (a connection closed under it):
+                            # stop, do not retry.
+                            raise asyncio.CancelledError from exc
+                        raise
         except Lost as exc:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                raise asyncio.CancelledError from exc  # lost while being stopped: stop
             lost(exc)
+            # A connection that ends as soon as it is made (a server that kills idle sessions
+            # at once, a proxy): back off too, not reconnect in a tight loop.
+            quick = quick + 1 if loop.time() - began < quick_loss else 0
+            if quick > 1:
+                await asyncio.sleep(min(30.0, 0.1 * 2.0**quick) * random.uniform(0.5, 1.0))
 
 
 def message_delay(attempt: int, base: float, cap: float) -> float:

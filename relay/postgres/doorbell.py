@@ -86,7 +86,7 @@ class Doorbell:
                 await conn.execute(self._q.use_doorbell)
                 await conn.execute(self._q.doorbell_session)
                 if conn.info.server_version >= 140000:
-                    await conn.execute(self._q.doorbell_no_idle_timeout)
+                    await conn.execute(self._q.no_idle_session_timeout)
                 if conn.info.server_version >= 170000:
                     await conn.execute(self._q.doorbell_no_transaction_timeout)
                 await conn.set_autocommit(False)
@@ -126,13 +126,17 @@ class Doorbell:
     async def _take(self, conn: psycopg.AsyncConnection[Any]) -> bool:
         """Wait for the lock unless the loop stops wanting it first; whether it is held."""
         locking = asyncio.ensure_future(conn.execute(self._q.arm_doorbell))
-        await waiting.done_or_set(locking, self._unwanted)
-        while not locking.done():
-            await conn.cancel_safe()
-            await asyncio.wait({locking}, timeout=CANCEL_EVERY)
-        withdrawn = isinstance(locking.exception(), psycopg.errors.QueryCanceled)
-        if withdrawn and self._unwanted.is_set():
-            return False
+        try:
+            await waiting.done_or_set(locking, self._unwanted)
+            while not locking.done():
+                await conn.cancel_safe()
+                await asyncio.wait({locking}, timeout=CANCEL_EVERY)
+        finally:
+            # Left by a cancel or a failed cancel_safe: it must end before its connection closes
+            # (a socket psycopg still watches, closed, could pass its number to the next one).
+            await waiting.finish(locking)
+        if isinstance(locking.exception(), psycopg.errors.QueryCanceled):
+            return False  # withdrawn: the serving loop takes it again if it is wanted again
         locking.result()
         if self._unwanted.is_set():
             return False

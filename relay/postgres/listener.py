@@ -28,10 +28,12 @@ class Listener:
         schema: str,
         wake: asyncio.Event,
         recheck: asyncio.Event | None = None,
+        quick_loss: float = retry.QUICK_LOSS,
     ) -> None:
         self._conninfo = conninfo
+        self._quick_loss = quick_loss  # a loss this soon after connecting backs off (retry)
         self._schema = schema
-        self._listen = sql.load(schema).listen
+        self._q = sql.load(schema)
         self.wake = wake
         #: Set (with `wake`) by a NOTIFY whose payload is `recheck`: a keyed row's commit raced
         #: its predecessor's settle, and the relays should look at key_checks now.
@@ -51,6 +53,7 @@ class Listener:
             lambda exc: log.warning(
                 "LISTEN connection lost (%s); polling covers the gap, reconnecting", exc
             ),
+            self._quick_loss,
         )
 
     async def _listen_once(self) -> None:
@@ -60,7 +63,9 @@ class Listener:
             )
         try:
             with translate_errors(self._schema):
-                await conn.execute(self._listen)
+                if conn.info.server_version >= 140000:
+                    await conn.execute(self._q.no_idle_session_timeout)
+                await conn.execute(self._q.listen)
             self.connects += 1
             self.connected.set()
             self.wake.set()

@@ -39,7 +39,7 @@ class Queries:
     arm_doorbell: LiteralString
     use_doorbell: LiteralString
     doorbell_session: LiteralString
-    doorbell_no_idle_timeout: LiteralString
+    no_idle_session_timeout: LiteralString
     doorbell_no_transaction_timeout: LiteralString
     enqueue: LiteralString
     enqueue_many: LiteralString

@@ -60,10 +60,14 @@ async def test_listener_reconnects_after_its_backend_is_terminated(
 
 
 async def test_a_listener_that_outlived_many_outages_still_comes_back_at_once(
-    listener: Listener, database_url: str
+    database_url: str,
 ) -> None:
     # Its back-off once counted every loss of the process's life: after ten, each reconnect
-    # waited 25-30 s (during which only polling woke the relay).
+    # waited 25-30 s (during which only polling woke the relay). Every loss here counts as one
+    # after a connection that lived (quick_loss=0), as outages days apart do.
+    listener = Listener(database_url, "outbox", asyncio.Event(), quick_loss=0.0)
+    listening = asyncio.create_task(listener.run())
+    await asyncio.wait_for(listener.connected.wait(), 10)
     for lost in range(1, 13):
         await terminate_listener(database_url)
 
@@ -71,6 +75,8 @@ async def test_a_listener_that_outlived_many_outages_still_comes_back_at_once(
             return listener.connects == expected and listener.connected.is_set()
 
         await until_async(reconnected, timeout=5, message=f"reconnect {lost} to come at once")
+    listening.cancel()
+    await asyncio.gather(listening, return_exceptions=True)
 
 
 async def test_a_commit_that_queued_a_key_recheck_asks_the_relays_to_look(

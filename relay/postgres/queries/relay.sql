@@ -157,8 +157,9 @@ SELECT set_config('lock_timeout', '0', false), set_config('statement_timeout', '
        set_config('tcp_keepalives_idle', '30', false),
        set_config('tcp_keepalives_interval', '10', false);
 
--- name: doorbell_no_idle_timeout
--- PostgreSQL 14's idle_session_timeout would end it between two arms: off.
+-- name: no_idle_session_timeout
+-- PostgreSQL 14's idle_session_timeout would end the doorbell's session between two arms, and the
+-- LISTEN session whenever no NOTIFY comes for that long: off, for these two sessions.
 SELECT set_config('idle_session_timeout', '0', false);
 
 -- name: doorbell_no_transaction_timeout
