@@ -60,6 +60,8 @@ PHASES = ("clean", "pinned", "readers", "recovery")
 GROWING = ("archive", "dead")
 SAMPLE_EVERY = 15.0
 READERS = 4
+#: The target: back within 1.2x of the clean p99 this long after the pin ends.
+RECOVERED_WITHIN = 30.0
 READER_TRANSACTION = 30.0
 #: Producer connections: enough that one commit's round trips never cap the rate they offer.
 PRODUCERS = 16
@@ -159,6 +161,9 @@ class Run:
         self.committing: dict[str, tuple[float, int]] = {}  # message id -> (time, phase)
         self.received: dict[str, float] = {}
         self.samples: list[dict[str, Any]] = []  # the timeline
+        #: What the server did on its own, second by second: (auto)vacuums in progress by
+        #: table, and checkpoints — to set beside latency stalls.
+        self.server: list[dict[str, Any]] = []
         self.start = 0.0
 
     async def main(self) -> None:
@@ -181,9 +186,53 @@ class Run:
                 self.start = time.time() + 0.5
                 producing = asyncio.create_task(self._produce())
                 conducting = asyncio.create_task(self._conduct(probe))
+                watching = asyncio.create_task(self._watch_server())
                 await producing
                 await conducting
+                watching.cancel()
+                await asyncio.gather(watching, return_exceptions=True)
                 await self._drain_tail(probe)
+
+    async def _watch_server(self) -> None:
+        """Once a second: which tables a vacuum is working on, and the checkpoints so far."""
+        async with await psycopg.AsyncConnection.connect(self.url, autocommit=True) as conn:
+            checkpoints = (
+                "SELECT num_timed + num_requested FROM pg_stat_checkpointer"
+                if conn.info.server_version >= 170000
+                else "SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter"
+            )
+            while True:
+                vacuums = await (
+                    await conn.execute(
+                        "SELECT p.relid::regclass::text, p.phase FROM pg_stat_progress_vacuum p"
+                    )
+                ).fetchall()
+                row = await (await conn.execute(checkpoints)).fetchone()
+                self.server.append(
+                    {
+                        "t": time.time() - self.start,
+                        "vacuums": {name: phase for name, phase in vacuums},
+                        "checkpoints": int(row[0]) if row else 0,
+                    }
+                )
+                await asyncio.sleep(1.0)
+
+    def stalls(self, clean_p99_ms: float) -> list[str]:
+        """Every 5-s bucket whose p99 is above 3x the clean phase's, beside what the server was
+        doing in it (vacuums, checkpoints)."""
+        out = []
+        for bucket in self.timeline():
+            if bucket["p99_ms"] <= 3 * clean_p99_ms:
+                continue
+            seen = [s for s in self.server if bucket["t"] - 5 <= s["t"] < bucket["t"] + 10]
+            vacuumed = sorted({name for s in seen for name in s["vacuums"]})
+            checkpoints = {s["checkpoints"] for s in seen}
+            out.append(
+                f"t={bucket['t']:.0f}s p99 {bucket['p99_ms']:,.0f} ms: vacuum "
+                f"{', '.join(vacuumed) or 'none'}; checkpoint "
+                f"{'yes' if len(checkpoints) > 1 else 'no'} (5 s either side)"
+            )
+        return out
 
     def _phase_at(self, now: float) -> int:
         elapsed = now - self.start
@@ -385,9 +434,35 @@ def pinned(
     clean, pin = phases[0], phases[1]
     print(
         f"pinned {rate:,}/s: p99 pinned / clean {pin['p99_ms'] / clean['p99_ms']:.2f}x; "
-        f"recovery {_recovery(run, clean['p99_ms']):s}"
+        f"recovery {_recovery(run, clean['p99_ms']):s}; {_settled(run, clean['p99_ms'])}"
     )
-    return {"rate": rate, "phases": phases, "samples": run.samples, "latency": run.timeline()}
+    for line in run.stalls(clean["p99_ms"]):
+        print(f"pinned {rate:,}/s, stall: {line}")
+    return {
+        "rate": rate,
+        "phases": phases,
+        "samples": run.samples,
+        "latency": run.timeline(),
+        "server": run.server,
+    }
+
+
+def _settled(run: Run, clean_p99_ms: float) -> str:
+    """The p99 of every message committed from 30 s after the pin's end to the run's end, against
+    the clean phase's: whether latency is back within 1.2x by 30 s, as a phase's figure."""
+    since = run.start + sum(p.seconds for p in run.phases[:3]) + RECOVERED_WITHIN
+    late = sorted(
+        run.received[m] - committed
+        for m, (committed, _) in run.committing.items()
+        if committed >= since and m in run.received
+    )
+    if len(late) < 100:
+        return f"too few messages after {RECOVERED_WITHIN:.0f}s of recovery to judge"
+    p99 = statistics.quantiles(late, n=100, method="inclusive")[98] * 1000
+    return (
+        f"p99 from {RECOVERED_WITHIN:.0f}s after the pin's end {p99:.1f} ms "
+        f"= {p99 / clean_p99_ms:.2f}x clean"
+    )
 
 
 def _recovery(run: Run, clean_p99_ms: float) -> str:
