@@ -43,7 +43,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, LiteralString
 
 import aio_pika
 import psycopg
@@ -138,6 +138,13 @@ def _until(condition: Any, what: str, seconds: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+def checkpoints_sql(server_version: int) -> LiteralString:
+    """The statement that counts the checkpoints so far (PostgreSQL 17 moved the counters)."""
+    if server_version >= 170000:
+        return "SELECT num_timed + num_requested FROM pg_stat_checkpointer"
+    return "SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter"
+
+
 async def dead_tuples(conn: psycopg.AsyncConnection[Any], growing: bool) -> dict[str, int]:
     """Exact dead tuples of every table in the outbox schema (partitions included)."""
     rows = await (
@@ -196,11 +203,7 @@ class Run:
     async def _watch_server(self) -> None:
         """Once a second: which tables a vacuum is working on, and the checkpoints so far."""
         async with await psycopg.AsyncConnection.connect(self.url, autocommit=True) as conn:
-            checkpoints = (
-                "SELECT num_timed + num_requested FROM pg_stat_checkpointer"
-                if conn.info.server_version >= 170000
-                else "SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter"
-            )
+            checkpoints = checkpoints_sql(conn.info.server_version)
             while True:
                 vacuums = await (
                     await conn.execute(

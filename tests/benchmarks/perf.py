@@ -317,11 +317,13 @@ def drain(
         exchange = queue = f"outbox-perf.{uuid.uuid4().hex[:8]}"
         asyncio.run(declare(svc.amqp_url, exchange, queue))
         seconds = 0.0
+        wal = ServerWork()
         with contextmanager(during or _nothing)(url), measured_cpu() as cpu:
             for _ in range(rounds):
                 with cpu.paused():
                     fill(url, exchange, messages, keys)
-                seconds += run_relays(url, svc.amqp_url, replicas, label)
+                with wal.counted(url):
+                    seconds += run_relays(url, svc.amqp_url, replicas, label)
         in_queue = asyncio.run(delete(svc.amqp_url, exchange, queue))
         with psycopg.connect(url) as conn:
             row = conn.execute("SELECT count(*) FROM outbox.archive").fetchone()
@@ -331,9 +333,44 @@ def drain(
     times = f" ({rounds} rounds of {messages:,})" if rounds > 1 else ""
     print(
         f"{label}: {total:,} messages{times} in {seconds:.1f}s = {rate:,.0f} msg/s; "
-        f"{cpu.per_thousand(total)}"
+        f"{cpu.per_thousand(total)}; {wal.describe(total)}"
     )
     return rate
+
+
+@dataclass
+class ServerWork:
+    """WAL written and checkpoints started while relays drained (the fill not counted): at the
+    same WAL per message, a slower drain is the server's checkpoints, not a costlier claim."""
+
+    wal_bytes: int = 0
+    full_pages: int = 0
+    checkpoints: int = 0
+
+    @contextmanager
+    def counted(self, url: str) -> Iterator[None]:
+        before = _server_counters(url)
+        yield
+        after = _server_counters(url)
+        self.wal_bytes += after[0] - before[0]
+        self.full_pages += after[1] - before[1]
+        self.checkpoints += after[2] - before[2]
+
+    def describe(self, messages: int) -> str:
+        return (
+            f"WAL per message {self.wal_bytes / messages / 1024:.2f} KiB "
+            f"({self.full_pages / messages:.2f} full pages), checkpoints {self.checkpoints}"
+        )
+
+
+def _server_counters(url: str) -> tuple[int, int, int]:
+    """The cluster's WAL bytes, full-page images and checkpoints so far."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        wal = conn.execute("SELECT wal_bytes::bigint, wal_fpi FROM pg_stat_wal").fetchone()
+        done = conn.execute(horizon.checkpoints_sql(conn.info.server_version)).fetchone()
+    assert wal is not None
+    assert done is not None
+    return int(wal[0]), int(wal[1]), int(done[0])
 
 
 def _nothing(url: str) -> Iterator[None]:
