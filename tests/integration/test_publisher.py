@@ -21,6 +21,7 @@ from relay.core import errors, model
 from tests.support.amqp import Broker
 from tests.support.proxy import TcpProxy
 from tests.support.services import Services
+from tests.support.wait import until_async
 
 Outcome = model.Outcome
 _ids = itertools.count(1)
@@ -351,3 +352,30 @@ async def test_message_over_the_brokers_size_limit_is_too_large(
         assert f"max_message_size is {broker_max_message_size}" in again[0].detail
     finally:
         await publisher.close()
+
+
+async def test_a_stop_while_connecting_to_or_closing_on_a_stalled_broker_is_a_stop(
+    amqp_url: str, broker: Broker
+) -> None:
+    # aiormq raises CancelledError for a lost connection too, and the publisher maps those to
+    # BrokerUnavailable: a relay's own cancel (its shutdown timeout) must not become one, or the
+    # relay would go on as after an outage.
+    await broker.declare()
+    with TcpProxy(*_target(amqp_url)) as proxy:
+        proxy.pause()
+        publisher = AmqpPublisher(_via(amqp_url, proxy.port), connect_timeout=30)
+        connecting = asyncio.ensure_future(publisher.connect())
+        await until_async(lambda: asyncio.sleep(0, proxy.accepted), message="a connection")
+        connecting.cancel()
+        await asyncio.wait({connecting}, timeout=10)
+        assert connecting.cancelled()
+        proxy.resume()
+        await publisher.connect()
+        proxy.pause()
+        closing = asyncio.ensure_future(publisher.close())  # waits for the broker's reply
+        await asyncio.sleep(0.1)
+        assert not closing.done()
+        closing.cancel()
+        await asyncio.wait({closing}, timeout=10)
+        assert closing.cancelled()
+        proxy.resume()
