@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -60,6 +61,13 @@ PHASES = ("clean", "pinned", "readers", "recovery")
 GROWING = ("archive", "dead")
 SAMPLE_EVERY = 15.0
 READERS = 4
+#: The ring (migration 0015): the segment the id sequence is in, and each segment's file.
+RING_SQL: LiteralString = (
+    "SELECT (last_value / 131072 % 4)::int,"
+    " pg_relation_filenode('outbox.ready_0'), pg_relation_filenode('outbox.ready_1'),"
+    " pg_relation_filenode('outbox.ready_2'), pg_relation_filenode('outbox.ready_3')"
+    " FROM outbox.messages_id_seq"
+)
 #: The target: back within 1.2x of the clean p99 this long after the pin ends.
 RECOVERED_WITHIN = 30.0
 READER_TRANSACTION = 30.0
@@ -211,11 +219,16 @@ class Run:
                     )
                 ).fetchall()
                 row = await (await conn.execute(checkpoints)).fetchone()
+                ring = await (await conn.execute(RING_SQL)).fetchone()
                 self.server.append(
                     {
                         "t": time.time() - self.start,
                         "vacuums": {name: phase for name, phase in vacuums},
                         "checkpoints": int(row[0]) if row else 0,
+                        # The segment producers write into, and each segment's file: a new file
+                        # is a reclaim (TRUNCATE).
+                        "segment": ring[0] if ring else None,
+                        "files": list(ring[1:]) if ring else [],
                     }
                 )
                 await asyncio.sleep(1.0)
@@ -230,10 +243,21 @@ class Run:
             seen = [s for s in self.server if bucket["t"] - 5 <= s["t"] < bucket["t"] + 10]
             vacuumed = sorted({name for s in seen for name in s["vacuums"]})
             checkpoints = {s["checkpoints"] for s in seen}
+            segments = sorted({s["segment"] for s in seen if s.get("segment") is not None})
+            reclaimed = sorted(
+                {
+                    i
+                    for a, b in itertools.pairwise(seen)
+                    for i, (x, y) in enumerate(zip(a["files"], b["files"], strict=False))
+                    if x != y
+                }
+            )
             out.append(
                 f"t={bucket['t']:.0f}s p99 {bucket['p99_ms']:,.0f} ms: vacuum "
                 f"{', '.join(vacuumed) or 'none'}; checkpoint "
-                f"{'yes' if len(checkpoints) > 1 else 'no'} (5 s either side)"
+                f"{'yes' if len(checkpoints) > 1 else 'no'}; producers in segment "
+                f"{'/'.join(map(str, segments)) or '?'}, segments reclaimed "
+                f"{', '.join(map(str, reclaimed)) or 'none'} (5 s either side)"
             )
         return out
 
