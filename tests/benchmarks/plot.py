@@ -22,6 +22,8 @@ import matplotlib.pyplot as plt
 from matplotlib import ticker
 
 SHADES = {"pinned": "#fde2c8", "readers": "#f7c08a"}
+#: Issue 18's bound on the dead tuples at the end of the pinned phase (drawn dotted).
+DEAD_TUPLE_BOUND = 10_000
 
 
 def main() -> None:
@@ -79,6 +81,9 @@ def main() -> None:
         top.set_ylabel("commit → delivery (ms, 5 s buckets)")
         top.set_title(f"{rate:,} messages/s", pad=16)
         top.legend(fontsize=7)
+        # From zero, and at least to the issue's bound: a flat line of 2 is not a range of 0.2.
+        bottom.set_ylim(0, max(DEAD_TUPLE_BOUND * 1.1, bottom.get_ylim()[1]))
+        bottom.axhline(DEAD_TUPLE_BOUND, color="grey", linestyle=":", linewidth=0.8)
         bottom.set_ylabel("dead tuples, outbox queue tables (pgstattuple)")
         bottom.set_xlabel("minutes")
         bottom.legend(fontsize=7)
