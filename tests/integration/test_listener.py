@@ -67,16 +67,18 @@ async def test_a_listener_that_outlived_many_outages_still_comes_back_at_once(
     # after a connection that lived (quick_loss=0), as outages days apart do.
     listener = Listener(database_url, "outbox", asyncio.Event(), quick_loss=0.0)
     listening = asyncio.create_task(listener.run())
-    await asyncio.wait_for(listener.connected.wait(), 10)
-    for lost in range(1, 13):
-        await terminate_listener(database_url)
+    try:
+        await asyncio.wait_for(listener.connected.wait(), 10)
+        for lost in range(1, 13):
+            await terminate_listener(database_url)
 
-        async def reconnected(expected: int = lost + 1) -> bool:
-            return listener.connects == expected and listener.connected.is_set()
+            async def reconnected(expected: int = lost + 1) -> bool:
+                return listener.connects == expected and listener.connected.is_set()
 
-        await until_async(reconnected, timeout=5, message=f"reconnect {lost} to come at once")
-    listening.cancel()
-    await asyncio.gather(listening, return_exceptions=True)
+            await until_async(reconnected, timeout=5, message=f"reconnect {lost} to come at once")
+    finally:
+        listening.cancel()
+        await asyncio.gather(listening, return_exceptions=True)
 
 
 async def test_a_commit_that_queued_a_key_recheck_asks_the_relays_to_look(

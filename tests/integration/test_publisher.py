@@ -373,7 +373,7 @@ async def test_a_stop_while_connecting_to_or_closing_on_a_stalled_broker_is_a_st
         await publisher.connect()
         proxy.pause()
         closing = asyncio.ensure_future(publisher.close())  # waits for the broker's reply
-        await asyncio.sleep(0.1)
+        await until_async(lambda: asyncio.sleep(0, not publisher.connected), message="closing")
         assert not closing.done()
         closing.cancel()
         await asyncio.wait({closing}, timeout=10)
