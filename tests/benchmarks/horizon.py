@@ -30,6 +30,7 @@ archive every few seconds would measure the scan). `--json FILE` keeps the timel
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import json
@@ -67,6 +68,16 @@ RING_SQL: LiteralString = (
     " pg_relation_filenode('outbox.ready_0'), pg_relation_filenode('outbox.ready_1'),"
     " pg_relation_filenode('outbox.ready_2'), pg_relation_filenode('outbox.ready_3')"
     " FROM outbox.messages_id_seq"
+)
+#: The database's active sessions but the watcher's own: what each waits for, and its statement.
+ACTIVITY_SQL: LiteralString = (
+    "SELECT wait_event_type || ':' || wait_event, left(regexp_replace(query, '\\s+', ' ', 'g'), 60)"
+    " FROM pg_stat_activity WHERE datname = current_database() AND state = 'active'"
+    " AND pid <> pg_backend_pid()"
+)
+#: The outbox functions' calls and total time (ms) so far, with track_functions = all.
+FUNCTIONS_SQL: LiteralString = (
+    "SELECT funcname, calls, total_time FROM pg_stat_user_functions WHERE schemaname = 'outbox'"
 )
 #: The target: back within 1.2x of the clean p99 this long after the pin ends.
 RECOVERED_WITHIN = 30.0
@@ -220,6 +231,8 @@ class Run:
                 ).fetchall()
                 row = await (await conn.execute(checkpoints)).fetchone()
                 ring = await (await conn.execute(RING_SQL)).fetchone()
+                busy = await (await conn.execute(ACTIVITY_SQL)).fetchall()
+                functions = await (await conn.execute(FUNCTIONS_SQL)).fetchall()
                 self.server.append(
                     {
                         "t": time.time() - self.start,
@@ -229,6 +242,11 @@ class Run:
                         # is a reclaim (TRUNCATE).
                         "segment": ring[0] if ring else None,
                         "files": list(ring[1:]) if ring else [],
+                        # What the database's other sessions were doing: (wait, statement) of
+                        # each active one, and the outbox functions' calls and time so far
+                        # (with track_functions = all; empty otherwise).
+                        "busy": [f"{wait or 'cpu'} {query}" for wait, query in busy],
+                        "functions": {name: [calls, ms] for name, calls, ms in functions},
                     }
                 )
                 await asyncio.sleep(1.0)
@@ -257,7 +275,8 @@ class Run:
                 f"{', '.join(vacuumed) or 'none'}; checkpoint "
                 f"{'yes' if len(checkpoints) > 1 else 'no'}; producers in segment "
                 f"{'/'.join(map(str, segments)) or '?'}, segments reclaimed "
-                f"{', '.join(map(str, reclaimed)) or 'none'} (5 s either side)"
+                f"{', '.join(map(str, reclaimed)) or 'none'} (5 s either side); "
+                f"{_busy(seen)}; {_functions(seen)}"
             )
         return out
 
@@ -424,6 +443,33 @@ class Run:
                 }
             )
         return out
+
+
+def _busy(seen: list[dict[str, Any]]) -> str:
+    """The commonest (wait, statement) pairs of the other sessions in these samples."""
+    counts = collections.Counter(b for s in seen for b in s.get("busy", []))
+    top = ", ".join(f"{n}x {what}" for what, n in counts.most_common(6))
+    return f"sessions active in {len(seen)} samples: {top or 'none'}"
+
+
+def _functions(seen: list[dict[str, Any]]) -> str:
+    """The outbox functions' calls and ms per second between the first and last of the samples
+    (nothing without track_functions = all)."""
+    if len(seen) < 2 or not seen[-1].get("functions"):
+        return "functions: not tracked"
+    first, last = seen[0]["functions"], seen[-1]["functions"]
+    span = seen[-1]["t"] - seen[0]["t"]
+    rates = {
+        name: (
+            (calls - first.get(name, [0, 0])[0]) / span,
+            (ms - first.get(name, [0, 0])[1]) / span,
+        )
+        for name, (calls, ms) in last.items()
+    }
+    top = sorted(rates.items(), key=lambda kv: -kv[1][1])[:5]
+    return "functions per s: " + ", ".join(
+        f"{name} {calls:.1f} calls {ms:.0f} ms" for name, (calls, ms) in top
+    )
 
 
 def pinned(
