@@ -22,9 +22,13 @@
 --     PostgreSQL never turns into a join: it stays a subplan run once per row, and with sequential
 --     scans off (these functions' settings) the one plan for it is a probe of the unique index.
 --     Its cost is what it was with a good plan (one probe per row), and no estimate can change it.
---     The functions below are 0015's and 0019's, unchanged but for that.
---   * claim_batch looks the rows it took up by id, and sorts them after: asked for them in (xid, id)
---     order, the plan made on an empty partition read its whole (xid, id) index, filtering by id.
+--     The functions below are 0015's and 0019's, unchanged but for that and the next point.
+--   * ready's look-ups by id (the claim's of the rows it took, the settle's of the rows it ends)
+--     read its (xid, id) index whole, once per row: a plan made on an empty partition takes any
+--     index with a column id for as cheap as the unique one. The cursor's index becomes
+--     (xid, id + 0), which no look-up by id can use, and the claim and the walk of a window
+--     compare and order by (xid, id + 0). claim_batch also sorts the rows it took after looking
+--     them up, not while (an index in that order would be wanted again).
 --   * lane_start and _stragglers may not use nested loops: the hash anti-join they were written
 --     for reads each table once. reclaim_segment likewise (its checks read a whole segment; no
 --     lock is held during the first, and the second reads only what committed since).
@@ -33,6 +37,15 @@
 -- too and get the fix with the migration.
 
 SET LOCAL lock_timeout = '10s';
+
+-- The cursor's index on (xid, id + 0), in place of 0015's on (xid, id): an index whose second
+-- column is id can answer `id = …` by reading all of it, and a plan made while a partition was
+-- empty did so for the settle's and the claim's look-ups by id (a full index scan per row).
+-- Only ready's unique (id, seg) index can answer those now. The build holds SHARE on the
+-- ready partitions (producers' inserts wait) for as long as it takes: about a second per
+-- 250,000 rows in the ring.
+CREATE INDEX ready_cursor_idx ON ready (xid, (id + 0));
+DROP INDEX ready_xid_idx;
 
 ALTER FUNCTION lane_start() SET enable_nestloop = off;
 ALTER FUNCTION _stragglers(pg_snapshot, integer) SET enable_nestloop = off;
@@ -236,9 +249,9 @@ BEGIN
                    AS bytes
         FROM ready r
         WHERE r.xid = ANY(p_xips)
-          AND (r.xid, r.id) > (p_xid, p_id)
+          AND (r.xid, r.id + 0) > (p_xid, p_id)
           AND NOT EXISTS (SELECT 1 FROM claims c WHERE c.seg = r.seg AND c.id = r.id OFFSET 0)
-        ORDER BY r.xid, r.id
+        ORDER BY r.xid, r.id + 0
         LIMIT p_limit
         FOR UPDATE OF r SKIP LOCKED
     ), taken AS MATERIALIZED (
@@ -270,12 +283,12 @@ BEGIN
         -- The cursor is the range's only lower bound: given `xid >= p_from` beside it, the
         -- index scan started from the cursor's (0, 0) and stepped over every row of the ring
         -- below p_from (2.5 ms a claim with 120,000 rows in one segment, not 0.01).
-        WHERE (r.xid, r.id) > (greatest(p_xid, p_from),
+        WHERE (r.xid, r.id + 0) > (greatest(p_xid, p_from),
                                CASE WHEN p_xid >= p_from THEN p_id ELSE -1 END)
           AND r.xid <= p_to AND r.xid < pg_snapshot_xmax(p_hi)
           AND r.xid <> ALL(ARRAY(SELECT pg_snapshot_xip(p_hi)))
           AND NOT EXISTS (SELECT 1 FROM claims c WHERE c.seg = r.seg AND c.id = r.id OFFSET 0)
-        ORDER BY r.xid, r.id
+        ORDER BY r.xid, r.id + 0
         LIMIT p_limit
         FOR UPDATE OF r SKIP LOCKED
     ), taken AS MATERIALIZED (
@@ -315,7 +328,7 @@ BEGIN
     WHERE r.xid = ANY(ARRAY(SELECT x FROM pg_snapshot_xip(p_prev) AS x
                             WHERE pg_visible_in_snapshot(x, p_hi)))
       AND NOT EXISTS (SELECT 1 FROM claims c WHERE c.seg = r.seg AND c.id = r.id OFFSET 0)
-    ORDER BY r.xid, r.id
+    ORDER BY r.xid, r.id + 0
     LIMIT 1;
     IF FOUND THEN
         RETURN;
@@ -324,7 +337,7 @@ BEGIN
     WHERE r.xid >= pg_snapshot_xmax(p_prev) AND r.xid < pg_snapshot_xmax(p_hi)
       AND r.xid <> ALL(ARRAY(SELECT pg_snapshot_xip(p_hi)))
       AND NOT EXISTS (SELECT 1 FROM claims c WHERE c.seg = r.seg AND c.id = r.id OFFSET 0)
-    ORDER BY r.xid, r.id
+    ORDER BY r.xid, r.id + 0
     LIMIT 1;
 END;
 $$;

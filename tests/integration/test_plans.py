@@ -225,3 +225,17 @@ def test_a_reclaim_planned_on_an_empty_partition_reads_the_segment_once(conn: Co
     assert conn.execute("SELECT count(*) FROM outbox.ready").fetchone() == (0,)
     # The segment's ready and done rows, read once by each of the two checks at most.
     assert read <= 4 * (N + 2), f"reclaim_segment read {read:,} rows ({N + 2:,} in the segment)"
+
+
+def test_only_a_unique_index_can_answer_a_look_up_by_id(conn: Conn) -> None:
+    # An index with id as a later column answers `id = …` by reading itself whole; a plan made on
+    # an empty partition chose ready's (xid, id) index so for every look-up of the settle.
+    later = conn.execute(
+        "SELECT i.indexrelid::regclass::text FROM pg_index i"
+        " JOIN pg_class c ON c.oid = i.indrelid"
+        " JOIN pg_attribute a ON a.attrelid = c.oid AND a.attname = 'id'"
+        " WHERE c.relnamespace = 'outbox'::regnamespace"
+        "   AND c.relname ~ '^(ready|claims|done)(_[0-3])?$'"
+        "   AND a.attnum = ANY((i.indkey::int2[])[1:])"
+    ).fetchall()
+    assert later == []
