@@ -16,40 +16,44 @@
 --     nested loop that scanned `claims_N` whole for every ready row: one sweep took 44 s of a
 --     core at 100,000 rows.
 --
--- The remedy is in the statements, not in the statistics:
+-- The remedy is in the statements and one index, not in the statistics (which cannot be trusted
+-- on a table truncated every minute): each look-up by (seg, id) gets a shape with one plan.
 --
---   * Each NOT EXISTS that looks a ready (or claims) row up by (seg, id) ends in `OFFSET 0`, which
---     PostgreSQL never turns into a join: it stays a subplan run once per row, and with sequential
---     scans off (these functions' settings) the one plan for it is a probe of the unique index.
---     Its cost is what it was with a good plan (one probe per row), and no estimate can change it.
---     The functions below are 0015's and 0019's, unchanged but for that and the next point.
---   * ready's look-ups by id (the claim's of the rows it took, the settle's of the rows it ends)
---     read its (xid, id) index whole, once per row: a plan made on an empty partition takes any
---     index with a column id for as cheap as the unique one. The cursor's index becomes
---     (xid, id + 0), which no look-up by id can use, and the claim and the walk of a window
---     compare and order by (xid, id + 0). claim_batch also sorts the rows it took after looking
---     them up, not while (an index in that order would be wanted again).
+--   * Each NOT EXISTS, and each join, that looks a ready, claims or done row up by (seg, id) is a
+--     subquery ending in `OFFSET 0`, which PostgreSQL never pulls up into a join: it stays a
+--     subplan (NOT EXISTS) or a lateral subquery (the settle's `_ready_end`), run once per row,
+--     and with sequential scans off (the callers' settings) its one plan is a probe of the
+--     unique index. `release_orphans` updates the claims it took by id arrays, not by a join.
+--   * ready's look-ups by id read its (xid, id) index whole, once per row: on an empty partition
+--     any index with a column id costs what the unique one does. The cursor's index becomes
+--     (xid, id + 0), which no look-up by id can use; the claim and the walk of a window compare
+--     and order by (xid, id + 0). claim_batch sorts the rows it took after looking them up.
 --   * lane_start and _stragglers may not use nested loops: the hash anti-join they were written
---     for reads each table once. reclaim_segment likewise (its checks read a whole segment; no
---     lock is held during the first, and the second reads only what committed since).
+--     for reads each table once; so may reclaim_segment's first check (no lock held). Its second,
+--     under the partitions' locks, moves to _segment_open_since, which can only probe.
+--
+-- The functions below are 0015's, 0017's (claim_batch) and 0019's (lane_gauges), unchanged but
+-- for the above; tests/integration/test_plans.py makes their plans on empty partitions, then
+-- counts the rows each reads.
 --
 -- Upgrading: same signatures, same results; relays of the previous version call these functions
--- too and get the fix with the migration.
+-- too and get the fix with the migration. While it builds the new index it holds `ready`
+-- (producers and relays wait; about a second per 250,000 rows in the ring).
 
 SET LOCAL lock_timeout = '10s';
 
 -- The cursor's index on (xid, id + 0), in place of 0015's on (xid, id): an index whose second
 -- column is id can answer `id = …` by reading all of it, and a plan made while a partition was
 -- empty did so for the settle's and the claim's look-ups by id (a full index scan per row).
--- Only ready's unique (id, seg) index can answer those now. The build holds SHARE on the
--- ready partitions (producers' inserts wait) for as long as it takes: about a second per
--- 250,000 rows in the ring.
+-- The migration holds ready and its partitions (ACCESS EXCLUSIVE, taken first, so that it waits
+-- once and never upgrades a lock) while the index is built: producers' enqueues and relays'
+-- claims and settles wait about a second per 250,000 rows in the ring.
+LOCK TABLE ready IN ACCESS EXCLUSIVE MODE;  -- one wait, not SHARE then ACCESS EXCLUSIVE
 CREATE INDEX ready_cursor_idx ON ready (xid, (id + 0));
 DROP INDEX ready_xid_idx;
 
 ALTER FUNCTION lane_start() SET enable_nestloop = off;
 ALTER FUNCTION _stragglers(pg_snapshot, integer) SET enable_nestloop = off;
-ALTER FUNCTION reclaim_segment(integer) SET enable_nestloop = off;
 
 -- 0017's, but for the look-up of the rows taken (at its end).
 CREATE OR REPLACE FUNCTION claim_batch(p_limit integer, p_max_bytes bigint, p_claim_id uuid,
@@ -319,6 +323,8 @@ CREATE OR REPLACE FUNCTION _window_first_open(p_prev pg_snapshot, p_hi pg_snapsh
                                    OUT id bigint)
 LANGUAGE plpgsql STABLE
 SET search_path FROM CURRENT
+SET enable_seqscan = off
+SET enable_bitmapscan = off
 AS $$
 #variable_conflict use_column
 BEGIN
@@ -369,9 +375,9 @@ BEGIN
         LIMIT p_limit
         FOR UPDATE SKIP LOCKED
     ), taken AS (
-        UPDATE claims c SET claim_id = v_claim
-        FROM expired e
-        WHERE c.seg = e.seg AND c.id = e.id AND c.until < now()
+        UPDATE claims c SET claim_id = v_claim  -- by id: a join may read all of claims
+        WHERE c.seg = ANY(ARRAY(SELECT DISTINCT e.seg FROM expired e))
+          AND c.id = ANY(ARRAY(SELECT e.id FROM expired e)) AND c.until < now()
         RETURNING c.id, c.until
     )
     SELECT coalesce(array_agg(t.id), '{}'), max(t.until) INTO v_ids, last_until FROM taken t;
@@ -414,3 +420,94 @@ BEGIN
 END;
 $$;
 
+-- 0015's, the settle's look-ups made lateral subqueries, each a probe of a unique index.
+CREATE OR REPLACE FUNCTION _ready_end(p_ids bigint[])
+RETURNS TABLE (id bigint, message_id uuid, exchange text, routing_key text, body bytea,
+               headers jsonb, properties jsonb, created_at timestamptz, resent integer,
+               claimed_by text)
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    WITH marked AS (
+        INSERT INTO done (seg, id)
+        SELECT _seg(i), i FROM unnest(p_ids) AS i
+        ORDER BY 1, 2  -- one order for every writer: a late settle and a takeover never deadlock
+        ON CONFLICT DO NOTHING
+        RETURNING done.seg, done.id
+    )
+    SELECT r.id, r.message_id, r.exchange, r.routing_key, r.body, r.headers, r.properties,
+           r.created_at, c.resent, c.claimed_by
+    FROM marked m
+    CROSS JOIN LATERAL (SELECT r.* FROM ready r WHERE r.seg = m.seg AND r.id = m.id OFFSET 0) r
+    CROSS JOIN LATERAL (SELECT c.resent, c.claimed_by FROM claims c
+                        WHERE c.seg = m.seg AND c.id = m.id OFFSET 0) c;
+END;
+$$;
+
+-- Whether segment p_seg has a ready row not done among those that committed after p_checked was
+-- taken (reclaim_segment's second look, under the partitions' ACCESS EXCLUSIVE locks: it must read
+-- only those rows, each looked up in done's unique index, never the whole of done).
+CREATE FUNCTION _segment_open_since(p_seg integer, p_checked pg_snapshot) RETURNS boolean
+LANGUAGE plpgsql STABLE
+SET search_path FROM CURRENT
+SET enable_seqscan = off
+AS $$
+BEGIN
+    RETURN EXISTS (SELECT 1 FROM ready r
+                   WHERE r.seg = p_seg
+                     AND (r.xid = ANY(ARRAY(SELECT pg_snapshot_xip(p_checked)))
+                          OR r.xid >= pg_snapshot_xmax(p_checked))
+                     AND NOT EXISTS (SELECT 1 FROM done d
+                                     WHERE d.seg = p_seg AND d.id = r.id OFFSET 0));
+END;
+$$;
+
+-- 0015's, with its second look in _segment_open_since, and hash joins for its first.
+CREATE OR REPLACE FUNCTION reclaim_segment(p_seg integer) RETURNS boolean
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path FROM CURRENT
+SET enable_nestloop = off
+AS $$
+DECLARE
+    v_current smallint;
+    v_checked pg_snapshot;
+BEGIN
+    -- Each check below must see what committed before it ran: under one snapshot for the whole
+    -- transaction (REPEATABLE READ), a row committed after the first check would be truncated.
+    PERFORM _read_committed('reclaim_segment');
+    IF p_seg IS NULL OR p_seg NOT BETWEEN 0 AND 3 THEN
+        RAISE EXCEPTION 'reclaim_segment: segment must be 0 to 3, not %', p_seg
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- One relay at a time (the others would only queue for the same locks).
+    IF NOT pg_try_advisory_xact_lock(hashtext(current_schema() || '.reclaim_segment')) THEN
+        RETURN false;
+    END IF;
+    SELECT _seg(s.last_value) INTO v_current FROM messages_id_seq s;
+    IF p_seg IN (v_current, (v_current + 1) % 4)
+       OR NOT EXISTS (SELECT 1 FROM ready r WHERE r.seg = p_seg) THEN
+        RETURN false;
+    END IF;
+    v_checked := pg_current_snapshot();
+    IF EXISTS (SELECT 1 FROM ready r
+               WHERE r.seg = p_seg
+                 AND NOT EXISTS (SELECT 1 FROM done d WHERE d.seg = p_seg AND d.id = r.id)) THEN
+        RETURN false;
+    END IF;
+    BEGIN
+        EXECUTE format('LOCK TABLE %I, %I, %I IN ACCESS EXCLUSIVE MODE NOWAIT',
+                       'ready_' || p_seg, 'claims_' || p_seg, 'done_' || p_seg);
+    EXCEPTION WHEN lock_not_available THEN
+        RETURN false;
+    END;
+    IF _segment_open_since(p_seg, v_checked) THEN
+        RETURN false;
+    END IF;
+    EXECUTE format('TRUNCATE %I, %I, %I', 'ready_' || p_seg, 'claims_' || p_seg, 'done_' || p_seg);
+    RETURN true;
+END;
+$$;

@@ -542,8 +542,9 @@ BEGIN
     SELECT r.id, r.message_id, r.exchange, r.routing_key, r.body, r.headers, r.properties,
            r.created_at, c.resent, c.claimed_by
     FROM marked m
-    JOIN ready r ON r.seg = m.seg AND r.id = m.id
-    JOIN claims c ON c.seg = m.seg AND c.id = m.id;
+    CROSS JOIN LATERAL (SELECT r.* FROM ready r WHERE r.seg = m.seg AND r.id = m.id OFFSET 0) r
+    CROSS JOIN LATERAL (SELECT c.resent, c.claimed_by FROM claims c
+                        WHERE c.seg = m.seg AND c.id = m.id OFFSET 0) c;
 END;
 $$;
 
@@ -721,6 +722,23 @@ $$;
 CREATE FUNCTION outbox._seg(p_id bigint) RETURNS smallint
     LANGUAGE sql IMMUTABLE PARALLEL SAFE
     AS $$ SELECT (p_id / 131072 % 4)::smallint $$;
+
+-- Name: _segment_open_since(integer, pg_snapshot); Type: FUNCTION; Schema: outbox; Owner: -
+
+CREATE FUNCTION outbox._segment_open_since(p_seg integer, p_checked pg_snapshot) RETURNS boolean
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'outbox', 'pg_temp'
+    SET enable_seqscan TO 'off'
+    AS $$
+BEGIN
+    RETURN EXISTS (SELECT 1 FROM ready r
+                   WHERE r.seg = p_seg
+                     AND (r.xid = ANY(ARRAY(SELECT pg_snapshot_xip(p_checked)))
+                          OR r.xid >= pg_snapshot_xmax(p_checked))
+                     AND NOT EXISTS (SELECT 1 FROM done d
+                                     WHERE d.seg = p_seg AND d.id = r.id OFFSET 0));
+END;
+$$;
 
 -- Name: _settle(uuid, bigint[], bigint[], text[], text[], bigint[], double precision[], text[], boolean[], boolean[], bigint[], boolean, uuid, text, double precision, integer, bigint); Type: FUNCTION; Schema: outbox; Owner: -
 
@@ -948,6 +966,8 @@ $$;
 CREATE FUNCTION outbox._window_first_open(p_prev pg_snapshot, p_hi pg_snapshot, OUT xid xid8, OUT id bigint) RETURNS record
     LANGUAGE plpgsql STABLE
     SET search_path TO 'outbox', 'pg_temp'
+    SET enable_seqscan TO 'off'
+    SET enable_bitmapscan TO 'off'
     AS $$
 #variable_conflict use_column
 BEGIN
@@ -1501,11 +1521,7 @@ BEGIN
     EXCEPTION WHEN lock_not_available THEN
         RETURN false;
     END;
-    IF EXISTS (SELECT 1 FROM ready r
-               WHERE r.seg = p_seg
-                 AND (r.xid = ANY(ARRAY(SELECT pg_snapshot_xip(v_checked)))
-                      OR r.xid >= pg_snapshot_xmax(v_checked))
-                 AND NOT EXISTS (SELECT 1 FROM done d WHERE d.seg = p_seg AND d.id = r.id)) THEN
+    IF _segment_open_since(p_seg, v_checked) THEN
         RETURN false;
     END IF;
     EXECUTE format('TRUNCATE %I, %I, %I', 'ready_' || p_seg, 'claims_' || p_seg, 'done_' || p_seg);
@@ -1571,9 +1587,9 @@ BEGIN
         LIMIT p_limit
         FOR UPDATE SKIP LOCKED
     ), taken AS (
-        UPDATE claims c SET claim_id = v_claim
-        FROM expired e
-        WHERE c.seg = e.seg AND c.id = e.id AND c.until < now()
+        UPDATE claims c SET claim_id = v_claim  -- by id: a join may read all of claims
+        WHERE c.seg = ANY(ARRAY(SELECT DISTINCT e.seg FROM expired e))
+          AND c.id = ANY(ARRAY(SELECT e.id FROM expired e)) AND c.until < now()
         RETURNING c.id, c.until
     )
     SELECT coalesce(array_agg(t.id), '{}'), max(t.until) INTO v_ids, last_until FROM taken t;

@@ -152,18 +152,19 @@ def conn(database_url: str) -> Iterator[Conn]:
         yield conn
 
 
-def plan_on_empty_partitions(conn: Conn) -> None:
+def plan_on_empty_partitions(conn: Conn, behind: bool) -> None:
     """Every operation once, as a relay's session does while the ring turns: the segment behind
-    (3) holds N rows, the next ones' partitions (0 and 1) were analyzed empty, and the session's
+    (3) holds N rows (or, `behind` false, the whole ring is empty, as at a relay's start or after
+    a quiet spell), the next ones' partitions (0 and 1) were analyzed empty, and the session's
     plans are made now — the claim's and the settle's on segment 0, the straggler sweep's and
     lane_start's once producers are in segment 1 and before the relay claimed there. The
     measured calls then work on segment 1."""
-    conn.execute("SELECT setval('outbox.messages_id_seq', %s)", [3 * SEGMENT])
-    fill(conn)
+    if behind:
+        conn.execute("SELECT setval('outbox.messages_id_seq', %s)", [3 * SEGMENT])
+        fill(conn)
+        # Autovacuum's work: the full segment vacuumed (its visibility map set).
+        conn.execute("VACUUM outbox.ready_3, outbox.claims_3, outbox.done_3")
     conn.execute("SELECT setval('outbox.messages_id_seq', %s)", [4 * SEGMENT])
-    # Autovacuum's work: the full segment vacuumed (its visibility map set), the others analyzed
-    # empty.
-    conn.execute("VACUUM outbox.ready_3, outbox.claims_3, outbox.done_3")
     conn.execute("ANALYZE outbox.ready, outbox.claims, outbox.done")
     claim_id, ids = claim(conn, 1, verify=True)
     conn.execute("SELECT * FROM outbox.extend_leases(%s, %s, 30)", [claim_id, ids]).fetchall()
@@ -192,12 +193,13 @@ def fill(conn: Conn) -> None:
     )
 
 
+@pytest.mark.parametrize("behind", [True, False], ids=["a segment behind", "an empty ring"])
 @pytest.mark.parametrize("name", list(OPERATIONS))
 def test_an_operation_planned_on_empty_partitions_reads_only_what_it_works_on(
-    conn: Conn, name: str
+    conn: Conn, name: str, behind: bool
 ) -> None:
     operation, most = OPERATIONS[name]
-    plan_on_empty_partitions(conn)
+    plan_on_empty_partitions(conn, behind)
     fill(conn)
     reads = Reads(conn)
     read = operation(conn, reads)
