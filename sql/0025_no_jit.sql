@@ -5,10 +5,10 @@
 -- settle keep generic plans, whose costs grow with the rows the ring holds: at a backlog of
 -- 1,000,000 the claim's page (_ready_page) was estimated above the threshold, and every call
 -- compiled its plan — 38 ms of the 43 ms a claim of 500 rows took, against 5 ms without JIT. A
--- relay at depth spent 0.17 s of PostgreSQL's CPU per 1,000 messages, against 0.07 at 10,000.
--- The same held for lane_start (654 ms against 486), lane_gauges (120 against 74) and the other
--- chores, which each read at most a batch, or the ring once: compiling never pays for itself on
--- them, and what it costs rises with the backlog a relay is there to drain.
+-- relay at 1,000,000 spent 0.17 s of PostgreSQL's CPU per 1,000 messages, against 0.07 with the
+-- statements before 0024. lane_start (654 ms against 486), lane_gauges (120 against 74) and
+-- _window_first_open (2.4 against 0.7) paid too. Each of these functions reads a batch, or the
+-- ring once, and what compiling costs rises with the backlog a relay is there to drain.
 --
 -- So `jit = off` for each function a relay may call (roles.sql's grant); what they call inherits
 -- it. Producers' functions insert one row, or an array of them, and never reach the threshold.
