@@ -25,7 +25,7 @@ def test_chaos_short_form(svc: Services) -> None:
     assert report.overtaken == 0
     assert report.regressed == 0
     assert report.multi_key > 10
-    assert report.left_in_messages == 0
+    assert report.left_waiting == 0
     assert report.archived == report.committed >= 3000
     assert report.dead == 0
     assert report.relay_exit_codes == [0, 0, 0]
