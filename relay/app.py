@@ -140,10 +140,13 @@ async def components(
         stop,
         say,
     )
-    publisher = AmqpPublisher(
-        settings.amqp_url.get_secret_value(),
-        confirm_timeout=settings.confirm_timeout,
-        tls=amqp_tls(settings),
+    publisher, *chain_publishers = (
+        AmqpPublisher(
+            settings.amqp_url.get_secret_value(),
+            confirm_timeout=settings.confirm_timeout,
+            tls=amqp_tls(settings),
+        )
+        for _ in range(settings.keyed_chains)
     )
     try:
         # From now on producers may use the ready lane: a relay that knows it is running.
@@ -166,6 +169,7 @@ async def components(
             store,
             tracing.traced(publisher),
             options(settings),
+            chain_publishers=[tracing.traced(p) for p in chain_publishers],
             wake=wake,
             recheck=recheck,
             doorbell=doorbell,
@@ -194,7 +198,8 @@ async def components(
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
     finally:
-        await publisher.close()
+        for each in (publisher, *chain_publishers):
+            await each.close()
         await store.close()
 
 

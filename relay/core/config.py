@@ -129,7 +129,16 @@ class Settings(_Database):
         ge=1024,
         le=2**31 - 1,
         description="A claimed batch stops growing at this many bytes of bodies, headers and "
-        "properties (at least one message is taken); the relay holds at most two batches.",
+        "properties (at least one message is taken); the relay holds at most two batches "
+        "(or one per keyed chain).",
+    )
+    keyed_chains: int = Field(
+        2,
+        ge=1,
+        le=4,
+        description="Publishers, each on a connection of its own, that a keyed batch the key "
+        "gate keeps short is split across, each part settled and followed as its confirms arrive "
+        "(docs/decisions/0009); 1 never splits. A relay then holds at most this many batches.",
     )
     poll_interval: Duration = Field(
         1.0, gt=0, description="Longest wait between claims when no NOTIFY arrives (seconds)."

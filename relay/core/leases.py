@@ -71,9 +71,17 @@ class Keeper:
             ids = frozenset(m.id for m in claim.messages)
             self._holds[claim.claim_id] = _Hold(ids, sent_at + self._lease * TRUST)
 
-    def drop(self, claim_id: UUID) -> None:
-        """Stop keeping a claim: it was settled or given back."""
-        self._holds.pop(claim_id, None)
+    def drop(self, claim_id: UUID, ids: frozenset[int] | None = None) -> None:
+        """Stop keeping a claim (it was settled or given back), or only its rows `ids` (a part of
+        it was settled: the rest is still held, and renewed, until its own settle)."""
+        hold = self._holds.get(claim_id)
+        if hold is None:
+            return
+        rest = frozenset() if ids is None else hold.ids - ids
+        if rest:
+            self._holds[claim_id] = _Hold(rest, hold.until)
+        else:
+            del self._holds[claim_id]
 
     def valid(self, claim_id: UUID, ids: frozenset[int]) -> bool:
         """Whether rows `ids` of the claim are all still surely this relay's: publishing them is

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from uuid import UUID
 
 import tenacity
@@ -34,6 +35,7 @@ class Relay:
         publisher: ports.Publisher,
         options: Options = Options(),  # frozen, so sharing the default is safe
         *,
+        chain_publishers: Sequence[ports.Publisher] = (),
         wake: asyncio.Event | None = None,
         recheck: asyncio.Event | None = None,
         doorbell: ports.Doorbell | None = None,
@@ -43,6 +45,9 @@ class Relay:
     ) -> None:
         self._store = store
         self._publisher = publisher
+        #: One publisher per chain of a split keyed batch, the first being `publisher`
+        #: (docs/decisions/0009); a single one: batches are never split.
+        self._chain_publishers = (publisher, *chain_publishers)
         self._options = options
         self._clock = clock
         self.wake = wake or asyncio.Event()
@@ -311,6 +316,8 @@ class Relay:
         if not claim.messages:
             return model.CycleReport(claim_seconds=(claim_seconds,))
         batch = sorted(claim.messages, key=lambda m: m.id)
+        if chain and self._splits(claim):
+            return await self._chains(claim, claim_seconds, batch)
         to_send: list[model.OutboxMessage] = []
         results: list[model.PublishResult] = []
         try:
@@ -324,24 +331,127 @@ class Relay:
         policy.log_transitions(batch, settlement, counts)
         return policy.report(claim, claim_seconds, to_send, results, settlement, counts)
 
-    async def _publish(
-        self, claim: model.Claim, batch: list[model.OutboxMessage], *, ahead: bool
+    def _splits(self, claim: model.Claim) -> bool:
+        """Whether to publish a claim as several chains (docs/decisions/0009): only a batch the
+        key gate kept short (keyed rows, fewer than the limit, not cut by its byte budget), big
+        enough that each chain's part is worth a settle of its own."""
+        chains = len(self._chain_publishers)
+        if chains < 2 or claim.cut_short or len(claim.messages) >= self._options.batch_size:
+            return False
+        keyed = sum(1 for m in claim.messages if m.ordering_key is not None)
+        return keyed >= chains * self._options.min_chain and not self._stopping.is_set()
+
+    async def _chains(
+        self, claim: model.Claim, claim_seconds: float, batch: list[model.OutboxMessage]
+    ) -> model.CycleReport:
+        """Publish a keyed batch as parts, each on a publisher of its own, and settle each part
+        as soon as its own confirms are in, claiming with that settle what it freed (its keys'
+        next rows): each part goes on as a chain of its own, so one chain's settle overlaps the
+        others' publishing. The key gate keeps the chains' keys apart, as it keeps two relays'
+        apart. Chains stop claiming after half a lease (the cycle's chores are due), when the
+        relay stops, the broker blocks, or a part goes wrong; the cycle ends when all have
+        settled."""
+        count = len(self._chain_publishers)
+        until = self._clock() + self._options.lease / 2
+        try:
+            async with asyncio.TaskGroup() as group:
+                running = [
+                    group.create_task(self._chain(claim, batch[i::count], publisher, until))
+                    for i, publisher in enumerate(self._chain_publishers)
+                ]
+        except* Exception as failed:
+            # The other chains are cancelled (their rows keep their leases, as after a crash);
+            # the cycle fails as an unsplit one would, with the error itself (an outage stays
+            # an outage for the retries around the cycle).
+            raise failed.exceptions[0] from None
+        report = model.CycleReport(
+            claimed=len(batch), batch_sizes=(len(batch),), claim_seconds=(claim_seconds,)
+        )
+        for task in running:
+            report = report.combine(task.result())
+        return report
+
+    async def _chain(
+        self,
+        claim: model.Claim,
+        part: list[model.OutboxMessage],
+        publisher: ports.Publisher,
+        until: float,
+    ) -> model.CycleReport:
+        """One chain: publish `part` of `claim`, settle it (claiming the next rows with it while
+        the chain goes on), and the same with what that claimed, until nothing comes back. Its
+        report counts what it claimed after the first part (the first is the cycle's)."""
+        report = model.CycleReport()
+        first, seconds = True, 0.0
+        while part:
+            self.tick()
+            ids = frozenset(m.id for m in part)
+            to_send: list[model.OutboxMessage] = []
+            results: list[model.PublishResult] = []
+            try:
+                if self._stopping.is_set():
+                    settlement = release(part, "released unsent: the relay was stopping")
+                else:
+                    to_send, results, settlement = await self._publish_part(claim, part, publisher)
+                go_on = self._clock() < until and not publisher.blocked
+                counts, following, claimed_in = await self._settled(
+                    claim.claim_id, settlement, claim=self._may_chain(settlement) and go_on
+                )
+            finally:
+                self.leases.drop(claim.claim_id, ids)
+            policy.log_transitions(part, settlement, counts)
+            step = policy.report(
+                model.Claim(claim.claim_id, tuple(part)),
+                seconds,
+                to_send,
+                results,
+                settlement,
+                counts,
+            )
+            if first:  # the cycle's report counts the claim that started it
+                step = dataclasses.replace(step, claimed=0, batch_sizes=(), claim_seconds=())
+            report = report.combine(step)
+            first = False
+            claim, part = following, sorted(following.messages, key=lambda m: m.id)
+            seconds = claimed_in
+        return report
+
+    async def _publish_part(
+        self, claim: model.Claim, part: list[model.OutboxMessage], publisher: ports.Publisher
     ) -> tuple[list[model.OutboxMessage], list[model.PublishResult], model.Settlement]:
-        """Publish what the claim still holds (renewing its lease first if little of it is left)
-        and plan the settle; claim the next batch meanwhile if this one is full."""
+        """A chain's publish: its own publisher, connected first (a broker that cannot be
+        reached or blocks gives the part back unsent)."""
+        try:
+            await publisher.connect()
+        except errors.TransientError as exc:
+            return [], [], release(part, f"not sent: {exc}")
+        if publisher.blocked:
+            return [], [], release(part, "not sent: the broker is blocking publishes")
+        return await self._publish(claim, part, ahead=False, publisher=publisher)
+
+    async def _publish(
+        self,
+        claim: model.Claim,
+        batch: list[model.OutboxMessage],
+        *,
+        ahead: bool,
+        publisher: ports.Publisher | None = None,
+    ) -> tuple[list[model.OutboxMessage], list[model.PublishResult], model.Settlement]:
+        """Publish what the claim still holds of `batch` (renewing its lease first if little of
+        it is left) and plan the settle; claim the next batch meanwhile if this one is full."""
         try:
             held = await self.leases.confirm(claim.claim_id)
         except errors.TransientError as exc:
             log.warning("could not confirm a lease before publishing (%s): giving it back", exc)
             return [], [], release(batch, f"not sent: {exc}")
-        if len(held) < len(batch):
+        mine = [m for m in batch if m.id in held]
+        if len(mine) < len(batch):
             log.warning(
                 "%d of %d rows claimed passed to another relay before they were sent; "
                 "not sending them",
-                len(batch) - len(held),
+                len(batch) - len(mine),
                 len(batch),
             )
-        mine = [m for m in batch if m.id in held]
         exhausted = [m for m in mine if m.attempts > self._options.max_attempts]
         to_send = [m for m in mine if m.attempts <= self._options.max_attempts]
         # Only the main path claims ahead, and one batch at a time: an orphan taken in the same
@@ -352,7 +462,7 @@ class Relay:
         results: list[model.PublishResult] = []
         if to_send:
             sending = frozenset(m.id for m in to_send)
-            results = await self._publisher.publish(
+            results = await (publisher or self._publisher).publish(
                 to_send, self._abort, lambda: self.leases.valid(claim.claim_id, sending)
             )
         settlement = plan(
@@ -367,28 +477,40 @@ class Relay:
         (docs/decisions/0005) — unless a batch is claimed ahead already, or something went wrong
         with this one (it gives rows back: then another replica may do better), or the relay is
         stopping."""
-        # The broker has spoken; forgetting what it said would re-send the batch after the lease.
-        # So a settle is retried for as long as it takes (shutdown's timeout is the outer bound).
         chain = (
             chain
-            and self._options.prefetch
+            and self._may_chain(settlement)
             and not self.leases.claimed_ahead
-            and not settlement.retry
             and not self._publisher.blocked
-            and not self._stopping.is_set()
         )
+        counts, following, seconds = await self._settled(claim_id, settlement, claim=chain)
+        if following.messages:
+            self.leases.keep_ahead(waiting.ready((following, seconds)))
+        return counts
+
+    def _may_chain(self, settlement: model.Settlement) -> bool:
+        """Whether a settle may claim the next rows too: not when something went wrong with this
+        batch (it gives rows back: then another replica may do better), nor when stopping."""
+        return self._options.prefetch and not settlement.retry and not self._stopping.is_set()
+
+    async def _settled(
+        self, claim_id: UUID, settlement: model.Settlement, *, claim: bool
+    ) -> tuple[model.SettleCounts, model.Claim, float]:
+        """Settle; with `claim`, claim the next rows in the same round trip (held from the moment
+        the request was sent), and say how long that took. The broker has spoken; forgetting
+        what it said would re-send the batch after the lease. So a settle is retried for as long
+        as it takes (shutdown's timeout is the outer bound)."""
         async for attempt in self._retrying(asyncio.sleep):
             with attempt:
-                if not chain:
-                    return await self._store.settle(claim_id, settlement)
+                if not claim:
+                    counts = await self._store.settle(claim_id, settlement)
+                    return counts, model.Claim(claim_id, ()), 0.0
                 sent = self._clock()
                 counts, following = await self._store.settle_then_claim(
                     claim_id, settlement, self._options.batch_size, self._options.lease
                 )
-                if following.messages:
-                    self.leases.hold(following, sent)
-                    self.leases.keep_ahead(waiting.ready((following, self._clock() - sent)))
-                return counts
+                self.leases.hold(following, sent)
+                return counts, following, self._clock() - sent
         raise AssertionError("unreachable")  # pragma: no cover
 
 

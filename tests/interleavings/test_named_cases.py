@@ -514,3 +514,49 @@ def test_an_orphan_taken_while_a_batch_of_one_is_claimed_ahead_claims_no_second(
         assert len({s.message_id for s in world.ledger.sends}) == 4
     finally:
         world.close()
+
+
+def test_a_batch_split_in_chains_settles_its_parts_apart_with_a_renewal_between(
+    world: World,
+) -> None:
+    # docs/decisions/0009: c splits a batch of both keys' heads in two parts, one per publisher.
+    # a#1's part is confirmed and settled, claiming a#2 with that settle under a claim of its own,
+    # while b#1 still waits for its confirm. A renewal between the two settles extends b#1 and
+    # a#2 only; b#1's settle, under the first claim's id, still finds its row: nothing fenced,
+    # nothing sent twice, every key in order.
+    c = world.start_relay(chains=2)
+    world.commit_now("a", "b", "a", "b")
+    while len([p for p in c.pending if p.method == "publish"]) < 2:
+        world.grant(next(p for p in c.pending if p.method != "publish"))
+    parts = {p.messages[0].ordering_key: p for p in c.pending if p.method == "publish"}
+    assert [len(p.messages) for p in parts.values()] == [1, 1]  # one head of each key per part
+    (first_claim,) = c.relay.leases.held()  # both parts are of one claim
+    b1 = parts["b"].messages[0].id
+    world.grant(parts["a"], "ack")
+    world.grant(world.until(c, "settle"))  # a#1 archived, a#2 claimed with it
+    while not (others := [p for p in c.pending if p.method == "publish" and p is not parts["b"]]):
+        world.grant(next(p for p in c.pending if p.method != "publish"))
+    (a2,) = others
+    assert a2.messages[0].ordering_key == "a"
+    held = c.relay.leases.held()
+    assert held[first_claim] == frozenset({b1})  # a#1 let go, b#1 still held
+    assert [ids for claim, ids in held.items() if claim != first_claim] == [
+        frozenset({a2.messages[0].id})  # a#2, under the claim its settle made
+    ]
+    world.advance(LEASE * 0.5)
+    world.heartbeat(c)
+    while extends := [p for p in c.pending if p.method == "extend"]:
+        world.grant(extends[0])
+    assert c.relay.leases.held()[first_claim] == frozenset({b1})  # the renewal kept b#1
+    world.grant(parts["b"], "ack")
+    settles = [p for p in c.pending if p.method == "settle"]
+    while not settles:
+        world.grant(next(p for p in c.pending if p.method != "publish"))
+        settles = [p for p in c.pending if p.method == "settle"]
+    assert settles[0].claim_id == first_claim
+    world.grant(settles[0])
+    world.grant(a2, "ack")
+    assert world.finish() == []
+    assert sent(world, "a")[:2] == [(1, 1, c.name), (2, 1, c.name)]
+    assert sent(world, "b")[0] == (1, 1, c.name)
+    assert [seq for seq, _, _ in sent(world, "b")] == [1, 2]

@@ -58,8 +58,8 @@ class Protocol(RuleBasedStateMachine):
         world.reset(self.url)
         self.world = world.World(self.url)
         self.crashes = 0
-        for _ in range(2):
-            self.world.start_relay()
+        self.world.start_relay()
+        self.world.start_relay(chains=2)  # splits a batch of both keys (docs/decisions/0009)
 
     @initialize(on_dead=st.sampled_from(["block", "skip"]), concurrency=st.integers(1, 2))
     def key_policy(self, on_dead: str, concurrency: int) -> None:
@@ -195,8 +195,12 @@ class Protocol(RuleBasedStateMachine):
             victims = self.world.alive()
         self.world.crash(data.draw(st.sampled_from(victims)))
         if restart or not self.world.alive():
-            # Sometimes with batches of one: every batch full, so each claims the next ahead.
-            self.world.start_relay(batch_size=data.draw(st.sampled_from([None, 1])))
+            # Sometimes with batches of one: every batch full, so each claims the next ahead;
+            # sometimes splitting keyed batches into chains.
+            self.world.start_relay(
+                batch_size=data.draw(st.sampled_from([None, 1])),
+                chains=data.draw(st.sampled_from([1, 2])),
+            )
 
     @precondition(lambda self: any(not r.stopping for r in self.world.alive()))
     @rule(data=st.data(), restart=st.booleans())

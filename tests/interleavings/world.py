@@ -262,7 +262,13 @@ class RelayActor:
     """One relay: the real loop, cycling `run_once()` for ever, every call gated."""
 
     def __init__(
-        self, world: World, name: str, *, auto: bool = False, batch_size: int | None = None
+        self,
+        world: World,
+        name: str,
+        *,
+        auto: bool = False,
+        batch_size: int | None = None,
+        chains: int = 1,
     ) -> None:
         self.world = world
         self.name = name
@@ -275,7 +281,15 @@ class RelayActor:
         options = dataclasses.replace(OPTIONS, batch_size=100) if auto else OPTIONS
         if batch_size is not None:
             options = dataclasses.replace(options, batch_size=batch_size)
-        self.relay = loop.Relay(self.store, GatedBroker(self), options, clock=world.clock)
+        # With chains, a batch of two keyed rows (the world has two keys) is split in two parts,
+        # each settled on its own publisher's confirms (docs/decisions/0009).
+        self.relay = loop.Relay(
+            self.store,
+            GatedBroker(self),
+            dataclasses.replace(options, min_chain=1),
+            chain_publishers=[GatedBroker(self) for _ in range(chains - 1)],
+            clock=world.clock,
+        )
         self.beating: asyncio.Task[Any] | None = None
         self.cycles = 0  # run_once calls completed
         self.stopping = False  # told to stop: it ends the cycle it is in, then gives back
@@ -402,8 +416,12 @@ class World:
 
     # -- relays ----------------------------------------------------------------------------
 
-    def start_relay(self, *, auto: bool = False, batch_size: int | None = None) -> RelayActor:
-        actor = RelayActor(self, f"relay-{next(self._names)}", auto=auto, batch_size=batch_size)
+    def start_relay(
+        self, *, auto: bool = False, batch_size: int | None = None, chains: int = 1
+    ) -> RelayActor:
+        actor = RelayActor(
+            self, f"relay-{next(self._names)}", auto=auto, batch_size=batch_size, chains=chains
+        )
         self.relays.append(actor)
         self.run(self._quiet())
         return actor

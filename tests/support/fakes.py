@@ -67,6 +67,7 @@ class MemoryStore:
         *,
         available_at: datetime | None = None,
         headers: dict[str, Any] | None = None,
+        ordering_key: str | None = None,
     ) -> Row:
         self._ids += 1
         row = Row(
@@ -77,7 +78,7 @@ class MemoryStore:
             body,
             headers or {},
             {"content_type": "application/octet-stream"},
-            None,
+            ordering_key,
             self.now,
             available_at or self.now,
         )
@@ -103,8 +104,18 @@ class MemoryStore:
     def _lease(
         self, which: Callable[[Row], bool], limit: int, lease: float, budget: int | None = None
     ) -> model.Claim:
+        heads: dict[str, int] = {}  # the key gate: only a key's oldest row still here is due
+        for row in sorted(self.rows.values(), key=lambda r: r.id):
+            if row.ordering_key is not None:
+                heads.setdefault(row.ordering_key, row.id)
         due = sorted(
-            (r for r in self.rows.values() if which(r) and r.available_at <= self.now),
+            (
+                r
+                for r in self.rows.values()
+                if which(r)
+                and r.available_at <= self.now
+                and (r.ordering_key is None or heads[r.ordering_key] == r.id)
+            ),
             key=lambda r: (r.available_at, r.id),
         )[:limit]
         locked = len(due)

@@ -167,3 +167,33 @@ async def test_the_relay_keeps_its_claims_alive_for_its_whole_life() -> None:
     store.advance(LEASE * 0.8)  # past the claim's own lease: only the renewal holds it
     assert (await relay.run_once()).settled.archived == 2
     assert len(store.archive) == 4
+
+
+async def test_a_claim_settled_in_parts_stays_held_and_renewed_for_the_part_left() -> None:
+    store = MemoryStore()
+    for _ in range(4):
+        store.add()
+    keeper = leases.Keeper(store, LEASE, lambda: clock(store))
+    claim = await store.claim(10, LEASE)
+    keeper.hold(claim, clock(store))
+    first, rest = frozenset({1, 2}), frozenset({3, 4})
+    keeper.drop(claim.claim_id, first)  # one chain's part settled (docs/decisions/0009)
+    assert keeper.held() == {claim.claim_id: rest}
+    assert keeper.valid(claim.claim_id, rest)
+    assert not keeper.valid(claim.claim_id, first)
+    store.advance(LEASE * 0.5)
+    store.calls.clear()
+    extended: list[list[int]] = []
+    real = store.extend
+
+    async def extend(claim_id: Any, ids: Any, lease: float) -> frozenset[int]:
+        extended.append(list(ids))
+        return await real(claim_id, ids, lease)
+
+    store.extend = extend  # type: ignore[method-assign]
+    await keeper.run_once()
+    assert extended == [[3, 4]]  # only what is still the relay's to settle is renewed
+    assert keeper.held() == {claim.claim_id: rest}
+    keeper.drop(claim.claim_id, rest)  # the other part settled: nothing of the claim is left
+    assert keeper.held() == {}
+    keeper.drop(claim.claim_id, rest)  # and a second drop is harmless
