@@ -135,6 +135,8 @@ async def components(
             synchronous_commit=settings.synchronous_commit,
             batch_max_bytes=settings.batch_max_bytes,
             pooled=settings.transaction_pooler,
+            # One settle per keyed chain at a time, beside the heartbeat and the chores.
+            max_size=2 + settings.keyed_chains,
         ),
         settings.startup_timeout,
         stop,

@@ -61,6 +61,7 @@ class Relay:
         self._stopping = asyncio.Event()  # claim nothing more; give back what is not yet sent
         self._abort = asyncio.Event()  # the shutdown grace is over: stop waiting for confirms
         self._next_orphan_check = 0.0
+        self._split_from = 0.0  # no keyed batch is split before this (a chain's broker failed)
         self.leases = leases.Keeper(store, options.lease, clock)
         #: The keeper's heartbeat, as a supervised chore (the composition root watches it).
         self.heartbeat = chores.Chore(
@@ -339,6 +340,8 @@ class Relay:
         if chains < 2 or claim.cut_short or len(claim.messages) >= self._options.batch_size:
             return False
         keyed = sum(1 for m in claim.messages if m.ordering_key is not None)
+        if self._clock() < self._split_from:
+            return False
         return keyed >= chains * self._options.min_chain and not self._stopping.is_set()
 
     async def _chains(
@@ -353,10 +356,18 @@ class Relay:
         settled."""
         count = len(self._chain_publishers)
         until = self._clock() + self._options.lease / 2
+        # A recheck a producer queues meanwhile waits for the cycle's end: end the chains soon.
+        # (One already queued, at start-up say, waits for them: it can only be older than them.)
+        heed = not self.recheck.is_set()
+
+        def go_on(publisher: ports.Publisher) -> bool:
+            rechecked = heed and self.recheck.is_set()
+            return self._clock() < until and not publisher.blocked and not rechecked
+
         try:
             async with asyncio.TaskGroup() as group:
                 running = [
-                    group.create_task(self._chain(claim, batch[i::count], publisher, until))
+                    group.create_task(self._chain(claim, batch[i::count], publisher, go_on))
                     for i, publisher in enumerate(self._chain_publishers)
                 ]
         except* Exception as failed:
@@ -376,7 +387,7 @@ class Relay:
         claim: model.Claim,
         part: list[model.OutboxMessage],
         publisher: ports.Publisher,
-        until: float,
+        go_on: Callable[[ports.Publisher], bool],
     ) -> model.CycleReport:
         """One chain: publish `part` of `claim`, settle it (claiming the next rows with it while
         the chain goes on), and the same with what that claimed, until nothing comes back. Its
@@ -393,9 +404,12 @@ class Relay:
                     settlement = release(part, "released unsent: the relay was stopping")
                 else:
                     to_send, results, settlement = await self._publish_part(claim, part, publisher)
-                go_on = self._clock() < until and not publisher.blocked
+                if any(r.outcome is Outcome.AMBIGUOUS for r in results):
+                    await self._forget_late_copies(publisher)
                 counts, following, claimed_in = await self._settled(
-                    claim.claim_id, settlement, claim=self._may_chain(settlement) and go_on
+                    claim.claim_id,
+                    settlement,
+                    claim=self._may_chain(settlement) and go_on(publisher),
                 )
             finally:
                 self.leases.drop(claim.claim_id, ids)
@@ -424,10 +438,32 @@ class Relay:
         try:
             await publisher.connect()
         except errors.TransientError as exc:
-            return [], [], release(part, f"not sent: {exc}")
+            return [], [], self._chain_failed(part, f"not sent: {exc}")
         if publisher.blocked:
-            return [], [], release(part, "not sent: the broker is blocking publishes")
+            return [], [], self._chain_failed(part, "not sent: the broker is blocking publishes")
         return await self._publish(claim, part, ahead=False, publisher=publisher)
+
+    def _chain_failed(self, part: list[model.OutboxMessage], why: str) -> model.Settlement:
+        """A chain's publisher cannot publish: give its part back (due at once: the other
+        chain's next claim takes it), and split no batch for a lease."""
+        log.warning(
+            "a keyed chain's publisher cannot publish (%s): giving back %d rows, and not "
+            "splitting keyed batches for %gs",
+            why,
+            len(part),
+            self._options.lease,
+        )
+        self._split_from = self._clock() + self._options.lease
+        return release(part, why)
+
+    async def _forget_late_copies(self, publisher: ports.Publisher) -> None:
+        """A part's confirm did not come: close its publisher's connection (the broker answers
+        the close only after every frame before it) before the settle makes the rows due again,
+        so that a late copy cannot reach the broker after a copy sent again on another chain's
+        connection, nor after its key's next message. Within one connection that order holds
+        by itself; across connections only a link that stalls past the close can break it (the
+        README's "a stalled link that delivers late")."""
+        await publisher.close()
 
     async def _publish(
         self,

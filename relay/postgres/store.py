@@ -28,7 +28,8 @@ log = logging.getLogger("relay.store")
 #: How long an operation waits for a pooled connection before the database counts as unavailable.
 POOL_WAIT = 3.0
 #: A claimed batch's bodies, headers and properties stop growing past this (the first row is
-#: always taken). The relay holds at most two batches: one publishing, one claimed ahead.
+#: always taken). The relay holds at most two batches: one publishing, one claimed ahead (or,
+#: while a keyed batch runs as chains, one per chain: docs/decisions/0009).
 BATCH_MAX_BYTES = 64 * 1024 * 1024
 #: Rows one bury, one recheck or one page of forgetting keys handles per transaction.
 CHUNK = 1000

@@ -261,6 +261,7 @@ class ScriptedPublisher:
         self.publishing = asyncio.Event()
         self.published: list[model.OutboxMessage] = []
         self.batches = 0
+        self.closes = 0
 
     async def connect(self) -> None:
         if self.down > 0:
@@ -281,6 +282,7 @@ class ScriptedPublisher:
         self.batches += 1
         self.published.extend(messages)
         self.publishing.set()
+        await asyncio.sleep(0)  # the confirms come back over the network: others run meanwhile
         if self.gate is not None:
             abort = abort or asyncio.Event()
             waiters = [asyncio.ensure_future(self.gate.wait()), asyncio.ensure_future(abort.wait())]
@@ -292,7 +294,7 @@ class ScriptedPublisher:
         return [self.script(m) for m in messages]
 
     async def close(self) -> None:
-        return None
+        self.closes += 1
 
 
 def observation(**changes: object) -> model.Observation:

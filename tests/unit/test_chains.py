@@ -178,7 +178,12 @@ async def test_a_stop_between_the_parts_settles_leaves_nothing_claimed() -> None
     assert sorted(s.row.id for s in store.archive) == sorted(m.id for m in a.published)
     assert len(store.archive) == 8
     assert total.settled.archived == 8
-    # b's part was given back after the grace: unclaimed, due, its attempt refunded.
+    # b's part was written before the stop and never confirmed: given back after the grace,
+    # unclaimed, due, its attempt refunded, counted as ambiguous; and b's connection closed
+    # before that settle, so no late copy can follow a copy sent again elsewhere.
+    assert len(b.published) == 4
+    assert b.closes == 1
+    assert a.closes == 0
     for message in b.published:
         row = store.rows[message.id]
         assert (row.claim_id, row.attempts, row.ambiguous) == (None, 0, 1)
@@ -236,3 +241,61 @@ async def test_chains_stop_claiming_after_half_a_lease_so_the_cycles_chores_run(
     await relay.run_until_empty()
     assert not store.rows
     assert_in_key_order(sent)
+
+
+async def test_a_chain_whose_broker_cannot_be_reached_gives_its_part_back_and_splits_pause(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store, clock, sent = MemoryStore(), Clock(), list[model.OutboxMessage]()
+    a, b = recording(sent), recording(sent)
+    b.down = 1  # b's connection is refused (a broker's connection limit, say)
+    keyed_rows(store, keys=8, each=3)
+    relay = relay_with(store, [a, b], clock)
+    await relay.run_once()
+    assert b.published == []
+    assert "cannot publish" in caplog.text
+    # b's part went back due at once, and a's chain took those keys on: nothing is left.
+    assert not store.rows
+    assert_in_key_order(sent)
+    # For a lease no batch is split: the next ones go whole on the first publisher.
+    keyed_rows(store, keys=8, each=1)
+    await relay.run_once()
+    assert b.batches == 0
+    clock.now += LEASE
+    keyed_rows(store, keys=8, each=1)
+    await relay.run_once()
+    assert b.batches == 1
+
+
+async def test_a_bug_in_one_chain_fails_the_cycle_with_that_error() -> None:
+    store, clock, sent = MemoryStore(), Clock(), list[model.OutboxMessage]()
+    a, b = recording(sent), recording(sent)
+
+    def broken(message: model.OutboxMessage) -> model.PublishResult:
+        raise RuntimeError("a bug")
+
+    b.script = broken
+    keyed_rows(store, keys=8, each=2)
+    relay = relay_with(store, [a, b], clock)
+    with pytest.raises(RuntimeError, match="a bug"):  # itself, not an exception group
+        await relay.run_once()
+    assert not relay.leases.held()  # the cancelled chain let go of what it held
+
+
+async def test_a_recheck_queued_while_chains_run_ends_them_soon() -> None:
+    store, clock, sent = MemoryStore(), Clock(), list[model.OutboxMessage]()
+    a, b = recording(sent), recording(sent)
+    keyed_rows(store, keys=8, each=4)
+    relay = relay_with(store, [a, b], clock)
+    relay.recheck.clear()  # the start-up recheck is done
+
+    def notify_on_first(message: model.OutboxMessage) -> model.PublishResult:
+        relay.recheck.set()  # a producer's commit raced a settle: its NOTIFY arrives
+        sent.append(message)
+        return model.PublishResult(Outcome.ACKED)
+
+    a.script = notify_on_first
+    report = await relay.run_once()
+    assert report.settled.archived == 8  # each chain settled its first part, claiming nothing
+    assert all(r.claim_id is None for r in store.rows.values())
+    assert store.calls.count("release_stranded") == 1  # the recheck ran in the same cycle
