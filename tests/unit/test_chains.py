@@ -299,3 +299,40 @@ async def test_a_recheck_queued_while_chains_run_ends_them_soon() -> None:
     assert report.settled.archived == 8  # each chain settled its first part, claiming nothing
     assert all(r.claim_id is None for r in store.rows.values())
     assert store.calls.count("release_stranded") == 1  # the recheck ran in the same cycle
+
+
+class SlowToWrite(ScriptedPublisher):
+    """A publisher that takes a while between being asked and writing (an exchange probe, a
+    reconnect): the lease's trust may run out meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def publish(
+        self,
+        messages: Any,
+        abort: asyncio.Event | None = None,
+        still_held: Callable[[], bool] | None = None,
+    ) -> list[model.PublishResult]:
+        self.asked.set()
+        await self.go.wait()
+        return await super().publish(messages, abort, still_held)
+
+
+async def test_a_part_whose_lease_trust_ran_out_before_the_write_is_not_written() -> None:
+    store, clock, sent = MemoryStore(), Clock(), list[model.OutboxMessage]()
+    a, b = recording(sent), SlowToWrite()
+    keyed_rows(store, keys=8, each=1)
+    relay = relay_with(store, [a, b], clock)
+    cycle = asyncio.create_task(relay.run_once())
+    await asyncio.wait_for(b.asked.wait(), 5)
+    clock.now += LEASE  # the relay can no longer be sure b's part is still its own
+    b.go.set()
+    report = await asyncio.wait_for(cycle, 5)
+    assert b.published == []  # nothing written: `unsent`, given back
+    assert report.outcomes == {Outcome.ACKED: 4, Outcome.UNSENT: 4}
+    left = list(store.rows.values())
+    assert len(left) == 4
+    assert all((r.claim_id, r.attempts) == (None, 0) for r in left)
