@@ -40,12 +40,13 @@ import shutil
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, LiteralString
+from typing import IO, Any, LiteralString
 
 import aio_pika
 import psycopg
@@ -406,7 +407,7 @@ class Run:
             if time.time() > deadline:
                 raise SystemExit(
                     f"pinned {self.rate}/s: after 60 s, {row[0] - len(self.received)} archived"
-                    f" messages not received and {row[1]} still waiting"
+                    f" messages not received and {row[1]} still waiting\n" + await _stuck(probe)
                 )
             await asyncio.sleep(0.5)
         archived = {
@@ -443,6 +444,58 @@ class Run:
                 }
             )
         return out
+
+
+#: What the rows left waiting look like, by lane and lease state, and the database's sessions.
+STUCK_SQL: LiteralString = (
+    "SELECT lane, attempts, claim_id IS NOT NULL, available_at > now(), count(*),"
+    " min(available_at - now())::text, max(claimed_at)::text, max(last_error)"
+    " FROM outbox.waiting GROUP BY 1, 2, 3, 4"
+)
+SESSIONS_SQL: LiteralString = (
+    "SELECT application_name, state, wait_event_type || ':' || wait_event,"
+    " (now() - state_change)::text, left(regexp_replace(query, '\\s+', ' ', 'g'), 80)"
+    " FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+)
+
+
+async def _stuck(probe: psycopg.AsyncConnection[Any]) -> str:
+    """The waiting rows grouped by lane and lease state, and every session of the database: what
+    a run that did not drain leaves to look at."""
+    rows = await (await probe.execute(STUCK_SQL)).fetchall()
+    sessions = await (await probe.execute(SESSIONS_SQL)).fetchall()
+    lines = ["waiting (lane, attempts, claimed, not yet due, rows, due in, claimed at, error):"]
+    lines += [f"  {row}" for row in rows]
+    lines += ["sessions (application, state, wait, since, statement):"]
+    lines += [f"  {row}" for row in sessions]
+    return "\n".join(lines)
+
+
+class _Tail:
+    """A subprocess's stderr read to its end on a thread of its own, keeping the last lines: an
+    unread pipe would block the relay once it filled, and a failed run shows what it said."""
+
+    def __init__(self, stream: IO[str], keep: int = 200) -> None:
+        self.lines: collections.deque[str] = collections.deque(maxlen=keep)
+        self.count = 0
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self.lines.append(line.rstrip("\n"))
+            self.count += 1
+
+    def warnings(self) -> list[str]:
+        return [line for line in self.lines if " WARNING " in line or " ERROR " in line]
+
+
+def _spy(pid: int) -> None:
+    """Every thread's stack of a relay that did not drain, if py-spy is installed."""
+    if shutil.which("py-spy") is None:
+        print("(py-spy is not installed: no stack of the relay)")
+        return
+    subprocess.run(["py-spy", "dump", "--pid", str(pid)], check=False, timeout=60)
 
 
 def _busy(seen: list[dict[str, Any]]) -> str:
@@ -490,7 +543,18 @@ def pinned(
             assert proc.stderr is not None
             if not any(" ready: schema=" in line for line in proc.stderr):
                 raise SystemExit(f"relay exited ({proc.wait()}) before it was ready")
-            uvloop.run(run.main())
+            tail = _Tail(proc.stderr)
+            try:
+                uvloop.run(run.main())
+            except SystemExit:
+                _spy(proc.pid)
+                print(f"pinned {rate:,}/s: the relay's last lines:", *tail.lines, sep="\n")
+                raise
+            said = tail.warnings()
+            print(
+                f"pinned {rate:,}/s: the relay logged {tail.count} lines, {len(said)} of the last"
+                f" {len(tail.lines)} warnings or errors" + "".join(f"\n  {w}" for w in said[-5:])
+            )
         finally:
             end(proc, 30)
         asyncio.run(delete(svc.amqp_url, exchange, exchange))
