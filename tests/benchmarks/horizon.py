@@ -40,13 +40,12 @@ import shutil
 import statistics
 import subprocess
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, LiteralString
+from typing import Any, LiteralString
 
 import aio_pika
 import psycopg
@@ -55,7 +54,7 @@ from psycopg import sql
 
 from tests.benchmarks.drain import declare, delete
 from tests.support import services
-from tests.support.processes import clean_env, end
+from tests.support.processes import RelayProcess, clean_env, end
 
 BODY = 1024
 PHASES = ("clean", "pinned", "readers", "recovery")
@@ -471,25 +470,6 @@ async def _stuck(probe: psycopg.AsyncConnection[Any]) -> str:
     return "\n".join(lines)
 
 
-class _Tail:
-    """A subprocess's stderr read to its end on a thread of its own, keeping the last lines: an
-    unread pipe would block the relay once it filled, and a failed run shows what it said."""
-
-    def __init__(self, stream: IO[str], keep: int = 200) -> None:
-        self.lines: collections.deque[str] = collections.deque(maxlen=keep)
-        self.count = 0
-        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
-        self._thread.start()
-
-    def _read(self, stream: IO[str]) -> None:
-        for line in stream:
-            self.lines.append(line.rstrip("\n"))
-            self.count += 1
-
-    def warnings(self) -> list[str]:
-        return [line for line in self.lines if " WARNING " in line or " ERROR " in line]
-
-
 def _spy(pid: int) -> None:
     """Every thread's stack of a relay that did not drain, if py-spy is installed."""
     if shutil.which("py-spy") is None:
@@ -526,7 +506,7 @@ def _functions(seen: list[dict[str, Any]]) -> str:
 
 
 def pinned(
-    svc: services.Services, rate: int, seconds: list[float], relay: list[str]
+    svc: services.Services, rate: int, seconds: list[float], launcher: list[str]
 ) -> dict[str, Any]:
     """One rate through the four phases; prints a line per phase and returns the results."""
     if shutil.which("pgbench") is None:
@@ -537,26 +517,27 @@ def pinned(
         env = clean_env(
             OUTBOX_DATABASE_URL=url, OUTBOX_AMQP_URL=svc.amqp_url, OUTBOX_LOG_FORMAT="text"
         )
-        proc = subprocess.Popen([*relay, "run"], env=env, stderr=subprocess.PIPE, text=True)
         run = Run(url, svc.amqp_url, exchange, rate, seconds)
-        try:
-            assert proc.stderr is not None
-            if not any(" ready: schema=" in line for line in proc.stderr):
-                raise SystemExit(f"relay exited ({proc.wait()}) before it was ready")
-            tail = _Tail(proc.stderr)
+        # Its output is read to the end on a thread of its own (an unread pipe would block the
+        # relay once it filled), and a failed run shows what it said.
+        with RelayProcess(env, launcher=launcher) as relay:
             try:
-                uvloop.run(run.main())
-            except SystemExit:
-                _spy(proc.pid)
-                print(f"pinned {rate:,}/s: the relay's last lines:", *tail.lines, sep="\n")
-                raise
-            said = tail.warnings()
-            print(
-                f"pinned {rate:,}/s: the relay logged {tail.count} lines, {len(said)} of the last"
-                f" {len(tail.lines)} warnings or errors" + "".join(f"\n  {w}" for w in said[-5:])
-            )
-        finally:
-            end(proc, 30)
+                relay.wait_ready(timeout=120)
+                try:
+                    uvloop.run(run.main())
+                except SystemExit:
+                    _spy(relay.proc.pid)
+                    last = relay.output.splitlines()[-200:]
+                    print(f"pinned {rate:,}/s: the relay's last lines:", *last, sep="\n")
+                    raise
+                lines = relay.output.splitlines()
+                said = [line for line in lines if " WARNING " in line or " ERROR " in line]
+                print(
+                    f"pinned {rate:,}/s: the relay logged {len(lines)} lines, {len(said)}"
+                    " warnings or errors" + "".join(f"\n  {w}" for w in said[-5:])
+                )
+            finally:
+                end(relay.proc, 30)
         asyncio.run(delete(svc.amqp_url, exchange, exchange))
     phases = [p.summary() for p in run.phases]
     for p in phases:

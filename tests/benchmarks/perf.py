@@ -35,9 +35,7 @@ import asyncio
 import contextlib
 import os
 import resource
-import signal
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -59,7 +57,7 @@ from relay.core.model import OutboxMessage, Outcome
 from tests.benchmarks import horizon
 from tests.benchmarks.drain import delete
 from tests.support import services
-from tests.support.processes import clean_env
+from tests.support.processes import RelayProcess, clean_env
 
 BODY = 1024
 #: The drains' queues keep the newest this many messages and drop older ones, as if a consumer
@@ -251,53 +249,44 @@ def fill(url: str, exchange: str, messages: int, keys: int = 0) -> None:
         conn.execute("VACUUM (ANALYZE) outbox.messages, outbox.ready")
 
 
+#: How long a drain may take before the benchmark gives up on it (the deep backlog's takes minutes).
+DRAIN_TIMEOUT = 3600.0
+
 #: Where `--profile` writes py-spy's flame graphs of the relays (None: no profiling).
 PROFILE: Path | None = None
 
 
-def relay_command(label: str, *args: str) -> list[str]:
-    """`outbox-relay <args>` as a subprocess; under py-spy when `--profile` is given."""
-    command = [sys.executable, "-m", "relay", *args]
+def launcher(label: str) -> list[str]:
+    """What goes before `python -m relay`: py-spy when `--profile` is given, else nothing."""
     if PROFILE is None:
-        return command
+        return []
     PROFILE.mkdir(parents=True, exist_ok=True)
     name = "".join(c if c.isalnum() else "-" for c in label).strip("-")
     output = PROFILE / f"{name}-{uuid.uuid4().hex[:4]}.txt"
     return [
         *("py-spy", "record", "--rate", "250", "--nonblocking", "--format", "raw"),
-        *("-o", str(output), "--", *command),
+        *("-o", str(output), "--"),
     ]
 
 
 def run_relays(url: str, amqp_url: str, replicas: int, label: str = "drain") -> float:
-    """Seconds from every relay being ready until the last reports an empty outbox."""
+    """Seconds from every relay being ready until the last reports an empty outbox. Each
+    relay's output is read on a thread of its own: an unread pipe would stall a chatty one."""
     env = clean_env(OUTBOX_DATABASE_URL=url, OUTBOX_AMQP_URL=amqp_url, OUTBOX_LOG_FORMAT="text")
-    procs = [
-        subprocess.Popen(
-            relay_command(label, "run", "--until-empty"),
-            env=env,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(replicas)
-    ]
-    for proc in procs:
-        _wait_line(proc, " ready: schema=")
-    started = time.perf_counter()
-    for proc in procs:
-        _wait_line(proc, "no due rows left")
-    elapsed = time.perf_counter() - started
-    if codes := [c for c in (p.wait() for p in procs) if c]:
-        raise SystemExit(f"relay exit codes {codes}")
+    with contextlib.ExitStack() as stack:
+        relays = [
+            stack.enter_context(RelayProcess(env, "--until-empty", launcher=launcher(label)))
+            for _ in range(replicas)
+        ]
+        for relay in relays:
+            relay.wait_ready(timeout=120)
+        started = time.perf_counter()
+        for relay in relays:
+            relay.wait_for("no due rows left", timeout=DRAIN_TIMEOUT)
+        elapsed = time.perf_counter() - started
+        if codes := [c for c in (r.exited() for r in relays) if c]:
+            raise SystemExit(f"relay exit codes {codes}")
     return elapsed
-
-
-def _wait_line(proc: subprocess.Popen[str], text: str) -> None:
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        if text in line:
-            return
-    raise SystemExit(f"relay exited ({proc.wait()}) before printing {text!r}")
 
 
 def drain(
@@ -455,17 +444,11 @@ def steady(svc: services.Services, rate: int, seconds: float) -> None:
         env = clean_env(
             OUTBOX_DATABASE_URL=url, OUTBOX_AMQP_URL=svc.amqp_url, OUTBOX_LOG_FORMAT="text"
         )
-        relay = subprocess.Popen(
-            relay_command(f"steady {rate}", "run"), env=env, stderr=subprocess.PIPE, text=True
-        )
-        try:
-            _wait_line(relay, " ready: schema=")
+        with RelayProcess(env, launcher=launcher(f"steady {rate}")) as relay:
+            relay.wait_ready(timeout=120)
             with measured_cpu() as cpu:
                 latencies = uvloop.run(_steady(url, svc.amqp_url, exchange, rate, seconds))
-                relay.send_signal(signal.SIGTERM)
-                relay.wait(30)
-        finally:
-            relay.kill()
+                relay.stop()
         asyncio.run(delete(svc.amqp_url, exchange, exchange))
     cuts = statistics.quantiles(latencies, n=100, method="inclusive")
     sent = int(rate * seconds)
@@ -542,9 +525,7 @@ def main() -> None:
             phases = [t / scale for t in args.phases]
             with horizon.autovacuum_on(svc.database_url) as was:
                 print(f"pinned: autovacuum on for the run (it was {was})")
-                runs = [
-                    horizon.pinned(svc, r, phases, relay_command(f"pinned {r}")) for r in args.rates
-                ]
+                runs = [horizon.pinned(svc, r, phases, launcher(f"pinned {r}")) for r in args.rates]
             if args.json:
                 horizon.write_json(args.json, runs, was)
     print()
