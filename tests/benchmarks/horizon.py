@@ -96,6 +96,7 @@ class Phase:
     offered: int = 0  # messages per second asked of the producers
     committed: int = 0
     delivered: int = 0
+    rings: int = 0  # notifications on the outbox's channel: commits that woke a relay
     latencies: list[float] = field(default_factory=list)
     dead_at_end: dict[str, int] = field(default_factory=dict)
 
@@ -107,6 +108,7 @@ class Phase:
             "offered": self.offered,
             "committed_per_s": self.committed / self.seconds,
             "delivered_per_s": self.delivered / self.seconds,
+            "rings_per_s": self.rings / self.seconds,
             "p50_ms": cuts[49] * 1000,
             "p95_ms": cuts[94] * 1000,
             "p99_ms": cuts[98] * 1000,
@@ -181,8 +183,17 @@ async def dead_tuples(conn: psycopg.AsyncConnection[Any], growing: bool) -> dict
 class Run:
     """One rate's run through the phases."""
 
-    def __init__(self, url: str, amqp_url: str, exchange: str, rate: int, seconds: list[float]):
+    def __init__(
+        self,
+        url: str,
+        amqp_url: str,
+        exchange: str,
+        rate: int,
+        seconds: list[float],
+        control: bool = False,
+    ):
         self.url, self.amqp_url, self.exchange, self.rate = url, amqp_url, exchange, rate
+        self.control = control  # the same phases with nothing pinned and no readers
         self.phases = [Phase(n, s, offered=rate) for n, s in zip(PHASES, seconds, strict=True)]
         self.committing: dict[str, tuple[float, int]] = {}  # message id -> (time, phase)
         self.received: dict[str, float] = {}
@@ -213,11 +224,22 @@ class Run:
                 producing = asyncio.create_task(self._produce())
                 conducting = asyncio.create_task(self._conduct(probe))
                 watching = asyncio.create_task(self._watch_server())
+                listening = asyncio.create_task(self._count_rings())
                 await producing
                 await conducting
                 watching.cancel()
-                await asyncio.gather(watching, return_exceptions=True)
+                listening.cancel()
+                await asyncio.gather(watching, listening, return_exceptions=True)
                 await self._drain_tail(probe)
+
+    async def _count_rings(self) -> None:
+        """Count the notifications on the outbox's channel, per phase: one per transaction that
+        notified (the doorbell's rings, docs/decisions/0008), each of which serialised its commit
+        on PostgreSQL's lock for notifying transactions."""
+        async with await psycopg.AsyncConnection.connect(self.url, autocommit=True) as conn:
+            await conn.execute("LISTEN outbox_new")
+            async for _ in conn.notifies():
+                self.phases[self._phase_at(time.time())].rings += 1
 
     async def _watch_server(self) -> None:
         """Once a second: which tables a vacuum is working on, and the checkpoints so far."""
@@ -333,10 +355,10 @@ class Run:
             t += phase.seconds
             ends.append(t)
         for i, phase in enumerate(self.phases):
-            if phase.name == "pinned":
+            if phase.name == "pinned" and not self.control:
                 pin = await psycopg.AsyncConnection.connect(self.url)
                 await pin.execute("SELECT pg_current_xact_id()")  # idle in transaction, with an xid
-            if phase.name == "readers":
+            if phase.name == "readers" and not self.control:
                 readers = [asyncio.create_task(self._read(r)) for r in range(READERS)]
             if phase.name == "recovery":
                 for task in readers:
@@ -506,9 +528,16 @@ def _functions(seen: list[dict[str, Any]]) -> str:
 
 
 def pinned(
-    svc: services.Services, rate: int, seconds: list[float], launcher: list[str]
+    svc: services.Services,
+    rate: int,
+    seconds: list[float],
+    launcher: list[str],
+    control: bool = False,
 ) -> dict[str, Any]:
-    """One rate through the four phases; prints a line per phase and returns the results."""
+    """One rate through the four phases; prints a line per phase and returns the results.
+    `control`: the same phases with nothing pinned and no readers, to tell what the pin does
+    from what the machine does anyway (its lines say "control" where they say "pinned")."""
+    name = "control" if control else "pinned"
     if shutil.which("pgbench") is None:
         raise SystemExit("pinned: pgbench offers the load; install PostgreSQL's client package")
     with svc.scratch_database("outbox_perf") as url:
@@ -517,7 +546,7 @@ def pinned(
         env = clean_env(
             OUTBOX_DATABASE_URL=url, OUTBOX_AMQP_URL=svc.amqp_url, OUTBOX_LOG_FORMAT="text"
         )
-        run = Run(url, svc.amqp_url, exchange, rate, seconds)
+        run = Run(url, svc.amqp_url, exchange, rate, seconds, control)
         # Its output is read to the end on a thread of its own (an unread pipe would block the
         # relay once it filled), and a failed run shows what it said.
         with RelayProcess(env, launcher=launcher) as relay:
@@ -528,12 +557,12 @@ def pinned(
                 except SystemExit:
                     _spy(relay.proc.pid)
                     last = relay.output.splitlines()[-200:]
-                    print(f"pinned {rate:,}/s: the relay's last lines:", *last, sep="\n")
+                    print(f"{name} {rate:,}/s: the relay's last lines:", *last, sep="\n")
                     raise
                 lines = relay.output.splitlines()
                 said = [line for line in lines if " WARNING " in line or " ERROR " in line]
                 print(
-                    f"pinned {rate:,}/s: the relay logged {len(lines)} lines, {len(said)}"
+                    f"{name} {rate:,}/s: the relay logged {len(lines)} lines, {len(said)}"
                     " warnings or errors" + "".join(f"\n  {w}" for w in said[-5:])
                 )
             finally:
@@ -543,21 +572,22 @@ def pinned(
     for p in phases:
         tables = ", ".join(f"{k} {v:,}" for k, v in p["dead_by_table"].items() if v)
         print(
-            f"pinned {rate:,}/s, {p['phase']} ({p['seconds']:.0f}s): p50 {p['p50_ms']:.1f} ms, "
+            f"{name} {rate:,}/s, {p['phase']} ({p['seconds']:.0f}s): p50 {p['p50_ms']:.1f} ms, "
             f"p95 {p['p95_ms']:.1f} ms, p99 {p['p99_ms']:.1f} ms, max {p['max_ms']:.0f} ms; "
             f"committed {p['committed_per_s']:,.0f}/s, delivered {p['delivered_per_s']:,.0f}/s "
-            f"of {rate:,}/s offered; dead tuples at its end {p['dead_tuples']:,}"
-            + (f" ({tables})" if tables else "")
+            f"of {rate:,}/s offered, {p['rings_per_s']:,.0f}/s notified; "
+            f"dead tuples at its end {p['dead_tuples']:,}" + (f" ({tables})" if tables else "")
         )
     clean, pin = phases[0], phases[1]
     print(
-        f"pinned {rate:,}/s: p99 pinned / clean {pin['p99_ms'] / clean['p99_ms']:.2f}x; "
+        f"{name} {rate:,}/s: p99 pinned / clean {pin['p99_ms'] / clean['p99_ms']:.2f}x; "
         f"recovery {_recovery(run, clean['p99_ms']):s}; {_settled(run, clean['p99_ms'])}"
     )
     for line in run.stalls(clean["p99_ms"]):
-        print(f"pinned {rate:,}/s, stall: {line}")
+        print(f"{name} {rate:,}/s, stall: {line}")
     return {
         "rate": rate,
+        "control": control,
         "phases": phases,
         "samples": run.samples,
         "latency": run.timeline(),

@@ -18,7 +18,8 @@ scenario in a scratch database of its own, messages of 1 KiB, persistent and con
    the backlog is written until it is drained (vacuum can remove nothing);
 7. pinned: steady load at `--rates` through clean, pinned, pinned with readers and recovery
    phases, with autovacuum on (tests/benchmarks/horizon.py says how; `--json` keeps the
-   timeline for tests/benchmarks/plot.py).
+   timeline for tests/benchmarks/plot.py); `--control` runs the same phases with nothing
+   pinned, which tells the pin's after-effects from the machine's own noise.
 
 The limit and the drains publish to a queue that keeps only the newest 10,000 messages, as if a
 consumer kept up (a queue holding a million would slow the broker, not the relay); the drains
@@ -485,6 +486,12 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path, help="write the pinned scenario's results here")
     parser.add_argument(
+        "--control",
+        action="store_true",
+        help="run the pinned scenario's phases with nothing pinned and no readers: what the"
+        " machine does on its own over the same time (its lines say control)",
+    )
+    parser.add_argument(
         "--only",
         nargs="+",
         choices=SCENARIOS,
@@ -524,8 +531,14 @@ def main() -> None:
         if "pinned" in only:
             phases = args.phases or [t / scale for t in (120, 600, 180, 120)]
             with horizon.autovacuum_on(svc.database_url) as was:
-                print(f"pinned: autovacuum on for the run (it was {was})")
-                runs = [horizon.pinned(svc, r, phases, launcher(f"pinned {r}")) for r in args.rates]
+                print(
+                    f"pinned: autovacuum on for the run (it was {was})"
+                    + ("; control: nothing is pinned, no readers" if args.control else "")
+                )
+                runs = [
+                    horizon.pinned(svc, r, phases, launcher(f"pinned {r}"), args.control)
+                    for r in args.rates
+                ]
             if args.json:
                 horizon.write_json(args.json, runs, was)
     print()
