@@ -106,13 +106,11 @@ def life(url: str, rows: int, chunk: int, prune: float, insert_vacuums: bool) ->
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("CHECKPOINT")
         blocks, wal = written(conn)
-        inserts = Work("vacuums for inserts")
-        passes = 0
+        inserts = Work(f"{-(-rows // chunk)} vacuums for inserts")
         for start in range(0, rows, chunk):
             conn.execute(INSERT, (min(chunk, rows - start),))
             if insert_vacuums:
                 inserts.add(vacuum(conn, "VERBOSE", ""))
-                passes += 1
         # The export reads every row before the pipeline prunes: the first reader of a page
         # sets its hint bits, which dirties it, unless a vacuum did so already.
         conn.execute("CHECKPOINT")
@@ -144,8 +142,6 @@ def life(url: str, rows: int, chunk: int, prune: float, insert_vacuums: bool) ->
     )
     total = Work("the vacuums")
     steps = ([inserts] if insert_vacuums else []) + [pruned, frozen]
-    if insert_vacuums:
-        inserts.label = f"{passes} vacuums for inserts"
     for step in steps:
         print(f"  {step.line()}")
         total.add(step)

@@ -52,6 +52,7 @@ import psycopg
 import uvloop
 from psycopg import sql
 
+from relay.postgres import sql as queries
 from tests.benchmarks.drain import declare, delete
 from tests.support import services
 from tests.support.processes import RelayProcess, clean_env, end
@@ -237,7 +238,7 @@ class Run:
         notified (the doorbell's rings, docs/decisions/0008), each of which serialised its commit
         on PostgreSQL's lock for notifying transactions."""
         async with await psycopg.AsyncConnection.connect(self.url, autocommit=True) as conn:
-            await conn.execute("LISTEN outbox_new")
+            await conn.execute(queries.load("outbox").listen)
             async for _ in conn.notifies():
                 self.phases[self._phase_at(time.time())].rings += 1
 
