@@ -8,7 +8,6 @@ from relay.postgres.admin import (
     DeadMessage,
     DeadRow,
     KeyPolicy,
-    LaneState,
 )
 
 __all__ = [
@@ -19,5 +18,4 @@ __all__ = [
     "DeadMessage",
     "DeadRow",
     "KeyPolicy",
-    "LaneState",
 ]

@@ -18,7 +18,18 @@ import tenacity
 from relay import __version__
 from relay.amqp.connection import tls_context
 from relay.amqp.publisher import AmqpPublisher
-from relay.core import chores, config, errors, eventloop, loop, model, retry, tracing, waiting
+from relay.core import (
+    chores,
+    config,
+    errors,
+    eventloop,
+    loop,
+    model,
+    retry,
+    tracing,
+    waiting,
+    waking,
+)
 from relay.ops import lifecycle, metrics, upkeep
 from relay.ops.probes import Probes
 from relay.ops.probes import listen as probes_listen
@@ -28,7 +39,7 @@ from relay.postgres import migrate
 from relay.postgres.admin import Admin
 from relay.postgres.doorbell import Doorbell
 from relay.postgres.listener import Listener
-from relay.postgres.store import FULL_ORPHAN_PASS_EVERY, PgStore
+from relay.postgres.store import PgStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -134,25 +145,21 @@ async def components(
             settings.relay_name,
             synchronous_commit=settings.synchronous_commit,
             batch_max_bytes=settings.batch_max_bytes,
+            lock_timeout=settings.lock_timeout,
             pooled=settings.transaction_pooler,
-            # One settle per keyed chain at a time, beside the heartbeat and the chores.
-            max_size=2 + settings.keyed_chains,
+            # The loop's claim ahead and settle, the heartbeat, and the chores' reads.
+            max_size=3,
         ),
         settings.startup_timeout,
         stop,
         say,
     )
-    publisher, *chain_publishers = (
-        AmqpPublisher(
-            settings.amqp_url.get_secret_value(),
-            confirm_timeout=settings.confirm_timeout,
-            tls=amqp_tls(settings),
-        )
-        for _ in range(settings.keyed_chains)
+    publisher = AmqpPublisher(
+        settings.amqp_url.get_secret_value(),
+        confirm_timeout=settings.confirm_timeout,
+        tls=amqp_tls(settings),
     )
     try:
-        # From now on producers may use the ready lane: a relay that knows it is running.
-        await startup("PostgreSQL", store.use_fast_lane, settings.startup_timeout, stop, say)
         await startup("RabbitMQ", publisher.connect, settings.startup_timeout, stop, say)
         say("starting the relay loop")
         wake, recheck = asyncio.Event(), asyncio.Event()
@@ -171,15 +178,28 @@ async def components(
             store,
             tracing.traced(publisher),
             options(settings),
-            chain_publishers=[tracing.traced(p) for p in chain_publishers],
-            wake=wake,
-            recheck=recheck,
-            doorbell=doorbell,
+            waker=waking.Waker(wake, doorbell, settings.poll_interval),
             on_cycle=counters.record,
             on_chore_error=counters.chore_failed,
+            on_lock_retry=counters.lock_retries.inc,
         )
-        # The listener reconnects by itself; a chore only so that a bug cannot end it silently.
-        supervised = [relay.heartbeat]
+
+        async def rescue() -> None:
+            await upkeep.rescue(store, counters)
+
+        # The listener and the doorbell reconnect by themselves; chores only so that a bug
+        # cannot end them silently. The rescue runs at once, at each recheck a producer's
+        # commit asks for, and every RESCUE_INTERVAL.
+        supervised = [
+            chores.Chore(
+                "rescue",
+                rescue,
+                upkeep.RESCUE_INTERVAL,
+                wake=recheck,
+                on_error=counters.chore_failed,
+            ),
+            relay.heartbeat,
+        ]
         if listener is not None:
             listening = chores.Chore("listener", listener.run, 1.0, on_error=counters.chore_failed)
             supervised.insert(0, listening)
@@ -200,8 +220,7 @@ async def components(
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
     finally:
-        for each in (publisher, *chain_publishers):
-            await each.close()
+        await publisher.close()
         await store.close()
 
 
@@ -262,8 +281,7 @@ async def run(
 
 
 def _chores(settings: config.Settings, parts: Components, watcher: Watcher) -> list[chores.Chore]:
-    """The chores beside the loop: gauges and readiness, archive retention, key retention, and
-    the ready lane's upkeep (segments, stragglers, the look at every lease that ran out)."""
+    """The chores beside the loop: gauges and readiness, and archive retention."""
     failed = parts.metrics.chore_failed
     found = [
         chores.Chore(
@@ -281,27 +299,6 @@ def _chores(settings: config.Settings, parts: Components, watcher: Watcher) -> l
                 "pruner", pruner.run_once, settings.archive_prune_interval, on_error=failed
             )
         )
-    if settings.key_retention > 0:
-
-        async def forget() -> None:
-            await upkeep.forget_keys(parts.store, settings.key_retention, parts.metrics)
-
-        found.append(chores.Chore("keys", forget, upkeep.KEY_CHECK_INTERVAL, on_error=failed))
-
-    async def reclaim() -> None:
-        await upkeep.reclaim(parts.store)
-
-    found.append(chores.Chore("reclaim", reclaim, upkeep.RECLAIM_INTERVAL, on_error=failed))
-
-    async def sweep() -> None:
-        await upkeep.sweep(parts.store)
-
-    found.append(chores.Chore("stragglers", sweep, upkeep.SWEEP_INTERVAL, on_error=failed))
-
-    async def orphans() -> None:
-        await upkeep.orphans(parts.store)
-
-    found.append(chores.Chore("orphans", orphans, FULL_ORPHAN_PASS_EVERY, on_error=failed))
     return found
 
 

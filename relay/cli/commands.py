@@ -16,7 +16,6 @@ from relay import __version__
 from relay.cli import archive as cli_archive
 from relay.cli import dead as cli_dead
 from relay.cli import keys as cli_keys
-from relay.cli import lane as cli_lane
 from relay.console.options import (
     CONNECTION,
     DATABASE,
@@ -230,5 +229,4 @@ def demo_command(count: int | None, interval: float, **flags: Any) -> None:
 main.add_command(cli_dead.dead)
 main.add_command(cli_archive.archive)
 main.add_command(pipeline_commands.pipeline)
-main.add_command(cli_lane.lane)
 main.add_command(cli_keys.keys)

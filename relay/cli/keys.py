@@ -1,4 +1,5 @@
-"""`outbox-relay keys …`: blocked ordering keys, releasing them, and per-prefix policies."""
+"""`outbox-relay keys …`: blocked ordering keys, releasing them, per-prefix policies, and
+forgetting idle keys."""
 
 from __future__ import annotations
 
@@ -57,6 +58,31 @@ def keys_release(ordering_key: str, replay: bool, **flags: Any) -> None:
             raise errors.InvalidArgument(f"key {ordering_key!r} is not blocked")
     what = "its dead message goes first" if replay else "skipping its dead message"
     click.echo(f"released {ordering_key!r}: {what}")
+
+
+@keys.command(name="forget")
+@click.option(
+    "--idle",
+    default="30d",
+    show_default=True,
+    metavar="DURATION",
+    help="Forget keys nobody has used for this long (an hour or more, e.g. 30d, 12h).",
+)
+@settings_options(*DATABASE)
+@fail_cleanly
+def keys_forget(idle: str, **flags: Any) -> None:
+    """Forget idle ordering keys (no message waiting or dead, no block): a key used again is
+    numbered from 1. Run it now and then (deploy/cron has an example); relays never do, since a
+    producer of a key being forgotten would wait for it."""
+    from datetime import timedelta
+
+    try:
+        idle_for = timedelta(seconds=values.parse_duration(idle))
+    except ValueError as exc:
+        raise errors.InvalidArgument(f"--idle: {exc}") from None
+    with operator(flags) as ops:
+        forgotten = ops.keys_forget(idle_for)
+    click.echo(f"forgot {forgotten:,} ordering keys unused for {idle}")
 
 
 @keys.group(name="policy")

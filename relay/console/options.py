@@ -105,6 +105,9 @@ class Group(click.Group):
         for name, closest in settings.unknown_variables(os.environ):
             hint = f" (did you mean {closest}?)" if closest else ""
             click.echo(f"outbox-relay: warning: {name} is not a setting: ignored{hint}", err=True)
+        for name in sorted(settings.RETIRED.keys() & os.environ.keys()):
+            why = settings.RETIRED[name]
+            click.echo(f"outbox-relay: warning: {name} is no longer a setting: {why}", err=True)
         try:
             result = super().main(*args, **kwargs)
         except NoArgsIsHelpError as exc:  # a bare group: its help, as click shows it

@@ -60,6 +60,14 @@ def fields(model: str) -> tuple[str, ...]:
     return tuple(name for name, told in _table().settings.items() if model in told.models)
 
 
+#: Settings earlier releases had, and what took their place.
+RETIRED = {
+    "OUTBOX_KEY_RETENTION": "idle ordering keys are forgotten by `outbox-relay keys forget` "
+    "(run it from cron), never by relays",
+    "OUTBOX_KEYED_CHAINS": "keyed batches go out on the relay's one connection, in order",
+}
+
+
 def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
     """The OUTBOX_* variables in `environ` that no setting reads, each with the closest name one
     does (None if nothing is close): a misspelt variable is otherwise silently ignored."""
@@ -67,7 +75,7 @@ def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]
     return [
         (name, next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.8)), None))
         for name in sorted(environ)
-        if name.startswith("OUTBOX_") and name not in known
+        if name.startswith("OUTBOX_") and name not in known and name not in RETIRED
     ]
 
 

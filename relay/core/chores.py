@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from relay.core import logs
+from relay.core import logs, waiting
 
 log = logging.getLogger("relay.chores")  # the name log lines carry: as before the folders
 
@@ -31,9 +31,11 @@ class Chore:
         stall_after: float | None = None,
         max_backoff: float = 60.0,
         on_error: Callable[[str], None] | None = None,
+        wake: asyncio.Event | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.name = name
+        self._wake = wake  # set: run again now, without waiting out the interval
         self._run_once = run_once
         self._interval = interval
         self._stall_after = stall_after
@@ -47,8 +49,13 @@ class Chore:
     async def run(self) -> None:
         """Run until cancelled; never raises anything else."""
         while True:
+            if self._wake is not None:
+                self._wake.clear()  # one set during the run calls for another
             delay = await self.run_once()
-            await asyncio.sleep(delay)
+            if self._wake is None:
+                await asyncio.sleep(delay)
+            else:
+                await waiting.any_event((self._wake,), delay)
 
     async def run_once(self) -> float:
         """One supervised run; how long to wait before the next."""

@@ -129,16 +129,7 @@ class Settings(_Database):
         ge=1024,
         le=2**31 - 1,
         description="A claimed batch stops growing at this many bytes of bodies, headers and "
-        "properties (at least one message is taken); the relay holds at most two batches "
-        "(or one per keyed chain).",
-    )
-    keyed_chains: int = Field(
-        2,
-        ge=1,
-        le=4,
-        description="Publishers, each on a connection of its own, that a keyed batch the key "
-        "gate keeps short is split across, each part settled and followed as its confirms arrive "
-        "(docs/decisions/0009); 1 never splits. A relay then holds at most this many batches.",
+        "properties (at least one message is taken); the relay holds at most two batches.",
     )
     poll_interval: Duration = Field(
         1.0, gt=0, description="Longest wait between claims when no NOTIFY arrives (seconds)."
@@ -149,6 +140,16 @@ class Settings(_Database):
         description="How long a claim holds its rows unless renewed; a dead relay's rows return "
         "after it (seconds). A relay renews what it holds every third of it, and publishes only "
         "within 90% of it from its last claim or renewal.",
+    )
+    lock_timeout: Duration = Field(
+        5.0,
+        gt=0,
+        le=3600,
+        description="No statement of the relay waits longer than this for a lock, and none of its "
+        "transactions stays open longer than this while the relay does not answer (one frozen "
+        "mid-statement): PostgreSQL's lock_timeout and idle_in_transaction_session_timeout for "
+        "its sessions (seconds). A wait that times out is retried and counted, not an outage. "
+        "Behind a transaction pooler, set both on the relay's role instead.",
     )
     confirm_timeout: Duration = Field(
         10.0, gt=0, description="How long a batch waits for publisher confirms (seconds)."
@@ -234,20 +235,6 @@ class Settings(_Database):
     archive_prune_interval: Duration = Field(
         3600.0, gt=0, description="How often the relay prunes the archive (seconds)."
     )
-    key_retention: Duration = Field(
-        2592000.0,
-        ge=0,
-        description="An ordering key nobody has used for this long, with no message waiting or "
-        "dead and no block, is forgotten, checked hourly; if used again its numbering restarts "
-        "at 1 (seconds, an hour or more; default 30 days; 0 keeps every key forever).",
-    )
-
-    @field_validator("key_retention")
-    @classmethod
-    def _an_hour_or_none(cls, value: float) -> float:
-        if 0 < value < 3600:
-            raise ValueError("must be 0 (keep every key) or an hour or more")
-        return value
 
     @field_validator("amqp_url")
     @classmethod

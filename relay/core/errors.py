@@ -40,6 +40,11 @@ class DatabaseUnavailable(TransientError):
     """PostgreSQL could not be reached, or the connection broke mid-operation."""
 
 
+class LockTimeout(TransientError):
+    """A statement gave up waiting for a lock (lock_timeout), or PostgreSQL broke a deadlock by
+    ending it: retried, and counted, but not an outage."""
+
+
 class BrokerUnavailable(TransientError):
     """RabbitMQ could not be reached, or the connection broke mid-operation."""
 

@@ -90,6 +90,11 @@ class Keeper:
         hold = self._holds.get(claim_id)
         return hold is not None and ids <= hold.ids and self._clock() < hold.until
 
+    def trusted(self, claim_id: UUID) -> bool:
+        """Whether the claim is still held and trusted (some of its rows, for now)."""
+        hold = self._holds.get(claim_id)
+        return hold is not None and bool(hold.ids) and self._clock() < hold.until
+
     def held(self) -> Mapping[UUID, frozenset[int]]:
         """The rows of every claim whose hold is trusted now, by claim."""
         now = self._clock()

@@ -64,13 +64,25 @@ class OutboxMessage:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Ask:
+    """What a claim asks for: up to `limit` rows, leased for `lease` seconds; a row whose lease
+    ran out after `max_attempts` claims is moved to dead unread instead."""
+
+    limit: int
+    lease: float
+    max_attempts: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Claim:
     """A batch of rows leased together; `claim_id` is the fencing token every settle presents."""
 
     claim_id: UUID
     messages: tuple[OutboxMessage, ...]
-    #: The claim stopped at its byte budget with more due rows behind it: claim again at once.
+    #: The claim stopped at its row or byte budget with more due rows behind it: claim again.
     cut_short: bool = False
+    #: Rows whose lease ran out once too often, moved to dead unread: (message_id, attempts).
+    buried: tuple[tuple[UUID, int], ...] = ()
 
 
 class Outcome(enum.Enum):

@@ -32,9 +32,6 @@ class Options:
     #: Claim the next batch while a full one is being published, so the database's work overlaps
     #: the broker's (the composition root turns it on; a cycle then leaves the next batch leased).
     prefetch: bool = False
-    #: The fewest keyed rows each chain of a split batch starts with: a smaller part is not
-    #: worth a settle of its own (docs/decisions/0009; only with more than one publisher).
-    min_chain: int = 16
 
     @property
     def heartbeat(self) -> float:

@@ -12,46 +12,24 @@ from relay.core import model
 
 
 class Store(Protocol):
-    """Where outbox rows live. Raises errors.DatabaseUnavailable if the database is unreachable."""
+    """Where outbox rows live. Raises errors.DatabaseUnavailable if the database is unreachable,
+    errors.LockTimeout when a lock was not granted in time (retry it)."""
 
-    async def claim(self, limit: int, lease: float) -> model.Claim:
-        """Lease up to `limit` due unclaimed rows for `lease` seconds, counting an attempt each."""
+    async def claim(self, ask: model.Ask) -> model.Claim:
+        """Lease due rows (expired leases first) as `ask` says, counting an attempt each."""
         ...
 
-    async def claim_orphans(self, limit: int, lease: float, max_attempts: int) -> model.Claim:
-        """The same for orphans (rows whose lease ran out without a settle: their relay died)
-        with fewer than `max_attempts` claims; the others are bury_exhausted's."""
-        ...
-
-    async def release_orphans(self, lease: float) -> int:
-        """Move rows of the ready lane whose claim's lease ran out unsettled to where
-        claim_orphans and bury_exhausted find them; how many."""
-        ...
-
-    async def bury_exhausted(self, max_attempts: int) -> list[tuple[UUID, int]]:
-        """Move every orphan with `max_attempts` claims to dead without reading it; return each
-        one's message_id and attempts."""
+    async def settle(
+        self, claim_id: UUID, settlement: model.Settlement, then: model.Ask | None = None
+    ) -> tuple[model.SettleCounts, model.Claim]:
+        """Apply a claim's transitions in one transaction, skipping rows no longer under
+        `claim_id`; with `then`, claim the next batch in the same transaction (it sees the keyed
+        rows the settle released): one round trip for both. Without, the claim is empty."""
         ...
 
     async def extend(self, claim_id: UUID, ids: Sequence[int], lease: float) -> frozenset[int]:
         """Push the lease of rows still under `claim_id` to `lease` seconds from now (by the
         database's clock); return those rows. The others were re-claimed by another relay."""
-        ...
-
-    async def settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:
-        """Apply a claim's transitions in one transaction; skip rows no longer under `claim_id`."""
-        ...
-
-    async def settle_then_claim(
-        self, claim_id: UUID, settlement: model.Settlement, limit: int, lease: float
-    ) -> tuple[model.SettleCounts, model.Claim]:
-        """`settle`, then `claim` the next batch in the same transaction (it sees what the
-        settle did: the keyed rows it released): one round trip for both."""
-        ...
-
-    async def release_stranded(self) -> int:
-        """Release keyed rows whose producer committed while their predecessor was being
-        settled, now that both are over; how many."""
         ...
 
     async def stats(self) -> model.Stats:

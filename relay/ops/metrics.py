@@ -114,16 +114,22 @@ class Metrics:
         # The background chores.
         self.chore_errors = Counter(
             "outbox_chore_errors",
-            "Runs of a background chore (watcher, pruner, listener, doorbell, leases, keys, "
-            "reclaim, stragglers, orphans) that failed with an error that is no outage; each "
-            "is logged at ERROR with its traceback, and the "
-            "chore runs again after a back-off.",
+            "Runs of a background chore (watcher, pruner, listener, doorbell, leases, rescue) "
+            "that failed with an error that is no outage; each is logged at ERROR with its "
+            "traceback, and the chore runs again after a back-off.",
             ["chore"],
             registry=r,
         )
-        self.keys_forgotten = Counter(
-            "outbox_keys_forgotten",
-            "Ordering keys forgotten after OUTBOX_KEY_RETENTION unused (their numbering restarts).",
+        self.lock_retries = Counter(
+            "outbox_lock_retries",
+            "Cycles retried because a statement waited for a lock past OUTBOX_LOCK_TIMEOUT "
+            "(55P03) or PostgreSQL broke a deadlock (40P01): not outages.",
+            registry=r,
+        )
+        self.rescued = Counter(
+            "outbox_rescues",
+            "Times the rescue found rows behind the claims' cursors (a commit long after its "
+            "insert, a claim that rolled back) and moved a cursor back to them.",
             registry=r,
         )
         # What the archive pruner did.

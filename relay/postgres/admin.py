@@ -1,6 +1,6 @@
 """The operator's side of the outbox, as a Python API: dead letters (list, inspect, replay,
-purge), archive retention, blocked keys, key policies and the ready lane's switch. The
-`outbox-relay dead|archive|keys|lane` commands are a thin layer over it."""
+purge), archive retention, blocked keys, key policies and forgetting idle keys. The
+`outbox-relay dead|archive|keys` commands are a thin layer over it."""
 
 from __future__ import annotations
 
@@ -45,16 +45,6 @@ class KeyPolicy:
     on_dead: OnDead
     concurrency: int
     min_interval: float  # seconds between releases of a key's messages
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class LaneState:
-    """The ready lane's switch (migrations 0015, 0018) and what still waits in the lane."""
-
-    fast_lane: bool  # producers write unkeyed, due-now messages to the lane
-    fast_lane_off: bool  # an operator turned it off: relays do not turn it on when they start
-    waiting: int  # rows of the lane not yet archived, dead or moved to messages
-    checked_at: datetime  # the database's clock
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -264,25 +254,27 @@ class Admin(pg.Session):
         (row,) = self._rows(self._q.dead_last_id)
         return int(row[0])
 
-    # The ready lane's switch --------------------------------------------------------------------
+    # Idle keys ----------------------------------------------------------------------------------
 
-    def lane_state(self) -> LaneState:
-        return self._objects(LaneState, self._q.fast_lane_state, {})[0]
-
-    def set_fast_lane(self, on: bool) -> LaneState:
-        """Turn the ready lane on (only while relays of this version run: they alone read it) or
-        off (producers write to messages from their next transaction to read the settings, and
-        relays no longer turn it on when they start); the state after it committed."""
-        self._rows(self._q.set_fast_lane, {"on": on})
-        return self.lane_state()
-
-    def transactions_since(self, since: datetime) -> tuple[int, int]:
-        """How many transactions on this database may have begun before `since` (other
-        sessions' open since before it, and every prepared one), and how many sessions this
-        role cannot see into (another role's without pg_read_all_stats, or one with
-        track_activities off)."""
-        (row,) = self._rows(self._q.transactions_since, {"since": since})
-        return int(row[0]), int(row[1])
+    def keys_forget(self, idle_for: timedelta, *, progress: Progress | None = None) -> int:
+        """Forget every ordering key nobody has used for `idle_for` (an hour or more), with no
+        message waiting or dead and no block: its numbering starts again at 1 if it is used
+        again. One page of keys per transaction; how many were forgotten. It deletes keys, which
+        a producer of that key would wait for: an operator's job, never the relay's."""
+        if idle_for < timedelta(hours=1):
+            raise errors.InvalidArgument("idle_for must be an hour or more")
+        forgotten, after = 0, ""
+        while True:
+            ((n, last),) = self._rows(
+                self._q.forget_idle_keys,
+                {"idle": idle_for.total_seconds(), "after": after, "limit": 1000},
+            )
+            forgotten += int(n)
+            if progress is not None and n:
+                progress(int(n))
+            if last is None:
+                return forgotten
+            after = str(last)
 
     # The archive --------------------------------------------------------------------------------
 

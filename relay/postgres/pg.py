@@ -45,6 +45,10 @@ def translate_errors(schema: str) -> Iterator[None]:
             f'the outbox schema "{schema}" is missing or incomplete ({exc.diag.message_primary}); '
             "run `outbox-relay migrate`"
         ) from exc
+    except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected) as exc:
+        raise errors.LockTimeout(
+            f"PostgreSQL: {first_line(exc)} ({exc.sqlstate}); retrying, as a lock time-out"
+        ) from exc
     except (psycopg.OperationalError, psycopg_pool.PoolTimeout) as exc:
         line = first_line(exc)
         if _REFUSED.search(str(exc)):

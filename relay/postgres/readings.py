@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contextlib import AbstractAsyncContextManager
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -17,6 +18,10 @@ class Readings:
 
     _schema: str
     _q: sql.Queries
+    #: Where the relay's claims start (store.PgStore's cursors: their times): the gauges count
+    #: due rows from there. None: from the start.
+    due_from: tuple[datetime, int] | None = None
+    orphans_from: tuple[datetime, int] | None = None
 
     def _connection(self) -> AbstractAsyncContextManager[psycopg.AsyncConnection[Any]]:
         raise NotImplementedError
@@ -24,7 +29,12 @@ class Readings:
     async def observe(self) -> model.Observation:
         """The gauges' snapshot: backlog by state and the database's health, in one query."""
         async with self._connection() as conn:
-            cur = await conn.execute(self._q.observe, {"messages": f'"{self._schema}".messages'})
+            params = {
+                "messages": f'"{self._schema}".messages',
+                "due_at": None if self.due_from is None else self.due_from[0],
+                "orphan_at": None if self.orphans_from is None else self.orphans_from[0],
+            }
+            cur = await conn.execute(self._q.observe, params)
             row = await pg.one_row(cur)
         due, scheduled, gated, in_flight, oldest, dead, blocked, tuples, vacuumed, on, *xmin = row
         seconds, xids, pid, state = xmin

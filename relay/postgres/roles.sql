@@ -27,46 +27,33 @@ GRANT EXECUTE ON FUNCTION
     {schema}.replay_skip(text, bigint, bigint, text, text)
 TO {producer};
 
--- Relays: claim and lease (functions since migration 0015; relays of earlier versions ran their
--- own statements, which need the UPDATE of the lease columns only), settle, bury, release
--- stranded keyed rows, forget idle keys, move the ready lane's orphans and stragglers, find where
--- its first window starts and reclaim its segments (functions that move whole rows and run as
--- the owner, migrations 0013, 0015 and 0022), prune the archive by its retention, and read what
--- the gauges count. A relay cannot write
--- a message's content, destination, key or gate, insert or delete one, insert a dead or archived
--- row, or touch keys, blocks, settings or key policies. (FOR UPDATE in the claim needs UPDATE on a
--- column, which the lease columns are.)
+-- Relays: claim, fetch what they claimed, renew, settle, recheck keyed rows, prune the archive
+-- by its retention, arm the doorbell (functions that run as the owner, migration 0026), and read
+-- what the gauges count. Nothing else: no UPDATE, DELETE or TRUNCATE on any table (those would
+-- let a relay login LOCK a table producers or other relays write to), and no function that leaves
+-- a lock a producer needs in the caller's transaction (keys are forgotten by operators).
+-- Relays of earlier versions ran statements of their own that need more (UPDATE of the lease
+-- columns of messages, DELETE on archive, the functions of 0013-0025): `migrate` never takes
+-- grants away, so they keep them until `roles` runs after the rollout; running the earlier
+-- version's own `roles` gives them back for a rollback (docs/guides/upgrading.md).
 GRANT SELECT ON {schema}.messages, {schema}.archive, {schema}.dead, {schema}.blocked_keys,
-                {schema}.ready, {schema}.claims, {schema}.done, {schema}.schema_migrations
+                {schema}.schema_migrations
 TO {relay};
-GRANT UPDATE (attempts, claim_id, claimed_by, claimed_at, available_at) ON {schema}.messages
-TO {relay};
-GRANT DELETE ON {schema}.archive TO {relay};
 GRANT EXECUTE ON FUNCTION
-    {schema}.settle(uuid, bigint[], bigint[], text[], text[], bigint[], float8[], text[], boolean[],
-                    boolean[], bigint[], boolean),
-    {schema}.bury_exhausted(integer, integer),
-    {schema}.release_stranded(integer),
-    {schema}.forget_idle_keys(interval, text, integer),
-    {schema}.claim_batch(integer, bigint, uuid, text, float8, text, text, xid8, bigint,
-                         boolean, boolean),
-    {schema}.settle_then_claim(uuid, bigint[], bigint[], text[], text[], bigint[], float8[],
-                               text[], boolean[], boolean[], bigint[], boolean, integer, bigint,
-                               uuid, text, float8, text, text, xid8, bigint, boolean, boolean),
+    {schema}.claim({schema}.claim_request),
+    {schema}.settle(uuid, bigint[], text[], text[], text[], float8[], bigint[], boolean,
+                    {schema}.claim_request),
     {schema}.extend_leases(uuid, bigint[], float8),
-    {schema}.release_orphans(timestamptz, integer),
-    {schema}.reclaim_segment(integer),
-    {schema}.lane_start(),
-    {schema}.sweep_stragglers(text, integer),
-    {schema}.use_fast_lane(),
-    {schema}.lane_gauges(),
+    {schema}.release_stranded(integer),
+    {schema}.prune_archive(timestamptz, integer),
     {schema}.arm_doorbell(),
     {schema}.use_doorbell()
 TO {relay};
 
 -- Operators: the CLI's dead-letter, archive, keys and stats commands and the data pipeline:
--- read everything, purge dead rows, prune the archive, set key policies; replay and release keys
--- only through the functions that do it in order (they run as the owner, migration 0008). No
+-- read everything, purge dead rows, prune the archive, set key policies, forget idle keys; replay
+-- and release keys only through the functions that do it in order (they run as the owner,
+-- migration 0008). No
 -- write to a waiting message, no change to settings, no DDL. UPDATE of dead.detail is there only
 -- because replay and purge lock their batch with FOR UPDATE, which asks for it.
 GRANT SELECT ON ALL TABLES IN SCHEMA {schema} TO {operator};
@@ -79,5 +66,6 @@ GRANT EXECUTE ON FUNCTION
     {schema}.replay_dead(bigint[], text, text),
     {schema}.release_key(text, boolean),
     {schema}.key_policy(text),
-    {schema}.lane_gauges()
+    {schema}.forget_idle_keys(interval, text, integer),
+    {schema}.prune_archive(timestamptz, integer)
 TO {operator};

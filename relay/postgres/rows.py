@@ -41,17 +41,24 @@ def to_message(row: Any) -> model.OutboxMessage:
 
 
 def settle_params(claim_id: UUID, settlement: model.Settlement, durable: bool) -> dict[str, Any]:
+    """A settlement as the settle function's arrays: one entry per row (migration 0026): its
+    fate, the dead letter's reason, the detail or error, the retry's delay."""
+    rows: list[tuple[int, str, str | None, str | None, float | None]] = [
+        *((i, "archive", None, None, None) for i in settlement.archive),
+        *((d.id, "dead", d.reason.value, d.detail, None) for d in settlement.dead),
+        *((r.id, _fate(r), None, r.error, r.delay) for r in settlement.retry),
+    ]
     return {
         "claim_id": claim_id,
-        "archive": list(settlement.archive),
-        "dead": [d.id for d in settlement.dead],
-        "reasons": [d.reason.value for d in settlement.dead],
-        "details": [d.detail for d in settlement.dead],
-        "retry": [r.id for r in settlement.retry],
-        "delays": [r.delay for r in settlement.retry],
-        "errors": [r.error for r in settlement.retry],
-        "refunds": [r.refund for r in settlement.retry],
-        "ambiguous": [r.ambiguous for r in settlement.retry],
+        "ids": [r[0] for r in rows],
+        "fates": [r[1] for r in rows],
+        "reasons": [r[2] for r in rows],
+        "notes": [r[3] for r in rows],
+        "delays": [r[4] for r in rows],
         "resent": list(settlement.resent),
         "durable": durable,
     }
+
+
+def _fate(retry: model.Retry) -> str:
+    return "ambiguous" if retry.ambiguous else "refund" if retry.refund else "retry"

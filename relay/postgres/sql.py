@@ -18,17 +18,11 @@ _HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 class Queries:
     """One field per `-- name:` block in queries/*.sql; the loader fails if the two disagree."""
 
-    claim_batch: LiteralString
-    claim_orphans: LiteralString
-    bury_exhausted: LiteralString
+    claim: LiteralString
+    fetch: LiteralString
     extend_leases: LiteralString
-    release_orphans: LiteralString
-    reclaim_segment: LiteralString
-    lane_start: LiteralString
-    sweep_stragglers: LiteralString
-    use_fast_lane: LiteralString
+    behind: LiteralString
     settle: LiteralString
-    settle_then_claim: LiteralString
     release_stranded: LiteralString
     forget_idle_keys: LiteralString
     message_stats: LiteralString
@@ -55,9 +49,6 @@ class Queries:
     schema_version: LiteralString
     blocked_keys: LiteralString
     release_key: LiteralString
-    set_fast_lane: LiteralString
-    fast_lane_state: LiteralString
-    transactions_since: LiteralString
     key_policies: LiteralString
     set_key_policy: LiteralString
     delete_key_policy: LiteralString

@@ -1,15 +1,13 @@
-"""The PostgreSQL adapter: claims and settles outbox rows through a psycopg connection pool."""
+"""The PostgreSQL adapter: claims, fetches and settles outbox rows through a psycopg pool."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import datetime, timedelta
-from typing import Any, LiteralString
+from typing import Any, LiteralString, NamedTuple
 from uuid import UUID
 
 import psycopg
@@ -21,37 +19,36 @@ from relay.postgres import pg, sql
 from relay.postgres.pg import translate_errors
 from relay.postgres.readings import Readings
 from relay.postgres.rows import settle_params, to_message
-from relay.postgres.window import Window
 
 log = logging.getLogger("relay.store")
 
 #: How long an operation waits for a pooled connection before the database counts as unavailable.
 POOL_WAIT = 3.0
 #: A claimed batch's bodies, headers and properties stop growing past this (the first row is
-#: always taken). The relay holds at most two batches: one publishing, one claimed ahead (or,
-#: while a keyed batch runs as chains, one per chain: docs/decisions/0009).
+#: always taken). The relay holds at most two batches: one publishing, one claimed ahead.
 BATCH_MAX_BYTES = 64 * 1024 * 1024
-#: Rows one bury, one recheck or one page of forgetting keys handles per transaction.
+#: Claimed rows are fetched in pages of about this many bytes: a page that fits in the sockets'
+#: buffers is sent whole even to a relay that stopped reading, so its statement ends and holds
+#: no snapshot (a batch of 500 rows of 4 KiB is 2 MiB, past what a frozen reader's buffers take).
+FETCH_PAGE_BYTES = 256 * 1024
+#: Rows one recheck of keyed rows handles per transaction.
 CHUNK = 1000
-#: Segments in the ready lane's ring (migration 0015).
-SEGMENTS = 4
 
 
-#: The ready lane's orphans are looked for among leases that ran out since the last look; at
-#: least this often (seconds), among all of them (a row skipped while another session held it),
-#: by a chore beside the loop: that look reads every claim of the ring (0.6-0.7 s at 400,000),
-#: and made in the loop's own cycle it stopped the loop for as long (docs/decisions/0004).
-FULL_ORPHAN_PASS_EVERY = 300.0
-#: Each look for orphans starts this far (seconds) before where the last one ended, for claims
-#: that committed after it although their lease had already run out (a lease runs from its
-#: claim's start). A claim that took longer than its lease and this to commit is found by the
-#: full pass. Going back a whole lease, as the first version did, looked at every claim three
-#: times (a look every half lease) and held the loop 50 ms every 5 s at 2,000 messages/s.
-LATE_COMMIT = 2.0
+class Cursor(NamedTuple):
+    """Where a claim starts: a position in due order."""
+
+    at: datetime
+    id: int
 
 
 class PgStore(Readings):
-    """ports.Store on PostgreSQL. Every method raises errors.DatabaseUnavailable on an outage."""
+    """ports.Store on PostgreSQL. Every method raises errors.DatabaseUnavailable on an outage and
+    errors.LockTimeout when a lock was not granted within the session's lock_timeout.
+
+    It keeps the relay's two cursors: where its next claim starts in the due rows and in the
+    expired leases (docs/decisions/0004). They only save work: a claim looks back a second behind
+    them, and `rescue` moves them back to any row left behind."""
 
     def __init__(
         self,
@@ -60,7 +57,6 @@ class PgStore(Readings):
         relay_name: str,
         batch_max_bytes: int = BATCH_MAX_BYTES,
         synchronous_commit: bool = True,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._pool = pool
         self._schema = schema
@@ -68,10 +64,10 @@ class PgStore(Readings):
         self._relay_name = relay_name
         self._batch_max_bytes = batch_max_bytes
         self._synchronous_commit = synchronous_commit
-        self._clock = clock  # the window's and the orphan sweep's timers (tests pass their own)
-        self._window = Window(clock=clock)
-        self._claiming = asyncio.Lock()  # the window moves one claim at a time
-        self._orphans_after: datetime | None = None  # where the next look for orphans starts
+        #: Where the next claim starts, (available_at, id) in the due rows and in the expired
+        #: leases (None: from the start, as after a restart).
+        self.due_from: Cursor | None = None
+        self.orphans_from: Cursor | None = None
 
     @classmethod
     async def open(
@@ -81,17 +77,19 @@ class PgStore(Readings):
         relay_name: str,
         *,
         connect_timeout: float = 10.0,
+        lock_timeout: float = 5.0,
         max_size: int = 3,
         synchronous_commit: bool = True,
         batch_max_bytes: int = BATCH_MAX_BYTES,
         pooled: bool = False,
-        clock: Callable[[], float] = time.monotonic,
     ) -> PgStore:
         """Open a pool and check the schema exists. Raises DatabaseUnavailable or SchemaMissing.
         Claims are always durable before they return; without `synchronous_commit`, settles do
-        not wait for the WAL flush (unless they record a re-send). `pooled`: `conninfo` goes
-        through a transaction-mode pooler, so no prepared statements, and the session settings
-        the relay needs must be the role's (ConfigError if they are not)."""
+        not wait for the WAL flush (unless they record a re-send). No statement waits for a lock,
+        or holds a transaction open while the relay does not answer, longer than `lock_timeout`
+        seconds. `pooled`: `conninfo` goes through a transaction-mode pooler, so no prepared
+        statements, and the session settings the relay needs must be the role's (ConfigError if
+        they are not)."""
         values.check_identifier(schema)
         q = sql.load(schema)
         with translate_errors(schema):
@@ -120,18 +118,18 @@ class PgStore(Readings):
             reconnect_timeout=POOL_WAIT,
             kwargs={
                 "autocommit": True,
-                "application_name": pg.APPLICATION_NAME,
+                "application_name": f"{pg.APPLICATION_NAME} {relay_name}"[:63],
                 **pg.options(pooled),
             },
             # Through a transaction pooler a session setting would stay on a server connection
             # that other clients then get, and not follow this one: the role's are checked above.
-            configure=None if pooled else _session(q.relay_session),
+            configure=None if pooled else session(q, lock_timeout),
             name="outbox-relay",
         )
         try:
             with translate_errors(schema):
                 await pool.open(wait=True, timeout=connect_timeout)
-            store = cls(pool, schema, relay_name, batch_max_bytes, synchronous_commit, clock)
+            store = cls(pool, schema, relay_name, batch_max_bytes, synchronous_commit)
             await store.schema_version()
         except BaseException:
             await pool.close()
@@ -159,149 +157,72 @@ class PgStore(Readings):
             )
         return version
 
-    async def use_fast_lane(self) -> None:
-        """Let producers use the ready lane: a relay that knows it is running."""
-        async with self._connection() as conn:
-            await conn.execute(self._q.use_fast_lane)
+    async def claim(self, ask: model.Ask) -> model.Claim:
+        claim_id = uuid.uuid4()
+        row = await self._one(self._q.claim, {"request": self._request(claim_id, ask)})
+        return await self._claimed(claim_id, row)
 
-    async def claim(self, limit: int, lease: float) -> model.Claim:
-        async with self._claiming:
-            params = self._claim_params(limit, lease)
-            rows = await self._claim_window(self._q.claim_batch, params)
-            trailer = rows.pop()
-            self._window.moved(trailer)
-        return self._claimed(params["claim_id"], rows, trailer)
-
-    async def _claim_window(self, query: LiteralString, params: dict[str, Any]) -> list[Any]:
-        """Run a claim of the ready lane's window: the window's state goes into `params`. A
-        window that must first ask where it starts (lane_start) asks on the same connection."""
-        try:
-            async with self._connection() as conn:
-                if self._window.needs_start:
-                    cur = await conn.execute(self._q.lane_start)
-                    self._window.start(*await pg.one_row(cur))
-                params.update(self._window.params())
-                cursor = conn.cursor(row_factory=namedtuple_row)
-                await cursor.execute(query, params)
-                return await cursor.fetchall()
-        except errors.DatabaseUnavailable:
-            self._window.forget()
-            raise
-
-    async def sweep_stragglers(self) -> int:
-        """Move the ready rows this relay's windows passed a while ago (window.SWEEP_AFTER) and
-        that still have no claim — each skipped while another claim held it, which then rolled
-        back — to messages, where every relay's claim finds them; how many (migration 0022)."""
-        passed = self._window.passed()
-        moved = 0
-        while passed is not None:
-            try:
-                async with self._connection() as conn:
-                    params = {"passed": passed, "limit": CHUNK}
-                    cur = await conn.execute(self._q.sweep_stragglers, params)
-                    looked, n = await pg.one_row(cur)
-            except psycopg.errors.InvalidParameterValue as exc:
-                # Ahead of the server: its transaction ids went backwards (a failover). What
-                # the windows passed is of the other timeline; the loop's next claim finds out
-                # too, and starts its windows again.
-                log.warning("straggler sweep: %s; it starts over", pg.first_line(exc))
-                self._window.forget_passed()
-                break
-            moved += int(n)
-            if looked < CHUNK:
-                break
-        return moved
-
-    @staticmethod
-    def _claimed(claim_id: UUID, rows: list[Any], trailer: Any) -> model.Claim:
-        slow = [row for row in rows if row.lane == "messages"]
-        ready = sum(row.lane == "ready" for row in rows)
-        cut_short = (bool(slow) and slow[0].locked > len(slow)) or trailer.locked > ready
-        return model.Claim(claim_id, tuple(to_message(row) for row in rows), cut_short)
-
-    async def claim_orphans(self, limit: int, lease: float, max_attempts: int) -> model.Claim:
-        params = {**self._claim_params(limit, lease), "max_attempts": max_attempts}
-        rows = await self._fetch(self._q.claim_orphans, params)
-        return model.Claim(params["claim_id"], tuple(to_message(row) for row in rows))
-
-    def _claim_params(self, limit: int, lease: float) -> dict[str, Any]:
-        return {
-            "limit": limit,
-            "max_bytes": self._batch_max_bytes,
-            "lease": lease,
-            "claim_id": uuid.uuid4(),
-            "claimed_by": self._relay_name,
+    async def settle(
+        self, claim_id: UUID, settlement: model.Settlement, then: model.Ask | None = None
+    ) -> tuple[model.SettleCounts, model.Claim]:
+        # A settle that records a re-send waits for the flush whatever the setting: losing it in
+        # a crash would lose a send from `attempts + ambiguous`, the bound on the sends. One that
+        # claims too waits for it: claims are always durable before anything is published.
+        durable = self._synchronous_commit or bool(settlement.resent) or then is not None
+        next_id = uuid.uuid4()
+        params = {
+            **settle_params(claim_id, settlement, durable),
+            "request": None if then is None else self._request(next_id, then),
         }
+        row = await self._one(self._q.settle, params)
+        fenced = settlement.size - row.archived - row.dead - row.retried
+        counts = model.SettleCounts(
+            row.archived, row.dead, row.retried, fenced, row.released, row.blocked
+        )
+        if then is None:
+            return counts, model.Claim(next_id, ())
+        return counts, await self._claimed(next_id, row)
 
-    async def _fetch(self, query: LiteralString, params: dict[str, Any]) -> list[Any]:
+    def _request(self, claim_id: UUID, ask: model.Ask) -> tuple[Any, ...]:
+        """The claim_request composite (migration 0026), field by field."""
+        return (
+            claim_id,
+            self._relay_name,
+            ask.lease,
+            ask.limit,
+            self._batch_max_bytes,
+            ask.max_attempts,
+            *(self.due_from or (None, None)),
+            *(self.orphans_from or (None, None)),
+        )
+
+    async def _claimed(self, claim_id: UUID, row: Any) -> model.Claim:
+        """Move the cursors on as the claim says, and fetch what it claimed."""
+        self.due_from = Cursor(row.due_at, row.due_id)
+        self.orphans_from = Cursor(row.orphan_at, row.orphan_id)
+        buried = tuple(
+            (UUID(str(m)), int(n)) for m, n in zip(row.buried, row.buried_attempts, strict=True)
+        )
+        rows = await self._fetch(claim_id, row.ids, row.sizes) if row.ids else []
+        return model.Claim(claim_id, tuple(to_message(r) for r in rows), row.more, buried)
+
+    async def _fetch(self, claim_id: UUID, ids: list[int], sizes: list[int]) -> list[Any]:
+        """The claimed rows, in pages of about FETCH_PAGE_BYTES (one row at least), in claim
+        order. A row missing from a page was taken over meanwhile: it is not published."""
+        rows: list[Any] = []
+        for page in _pages(ids, sizes, FETCH_PAGE_BYTES):
+            async with self._connection() as conn:
+                cur = conn.cursor(row_factory=namedtuple_row)
+                await cur.execute(self._q.fetch, {"ids": page, "claim_id": claim_id})
+                rows.extend(await cur.fetchall())
+        order = {i: n for n, i in enumerate(ids)}
+        return sorted(rows, key=lambda r: order[r.id])
+
+    async def _one(self, query: LiteralString, params: dict[str, Any]) -> Any:
         async with self._connection() as conn:
             cur = conn.cursor(row_factory=namedtuple_row)
             await cur.execute(query, params)
-            return await cur.fetchall()
-
-    async def release_orphans(self, lease: float) -> int:
-        """Move the ready lane's orphans (claims whose lease ran out unsettled) into messages,
-        where claim_orphans and bury_exhausted find them; how many. Looks at the leases that ran
-        out since the last look (less LATE_COMMIT, for claims that committed late)."""
-        moved = 0
-        first_checked: datetime | None = None
-        while True:
-            looked, n, last_until, checked_at = await self._release_orphans(self._orphans_after)
-            moved += n
-            first_checked = first_checked or checked_at
-            if looked < CHUNK:
-                # From the first page's time: a claim committed after it, with its lease ended
-                # before it, is behind the later pages' cursor, and within LATE_COMMIT of this.
-                margin = timedelta(seconds=min(lease, LATE_COMMIT))
-                self._orphans_after = first_checked - margin
-                return moved
-            self._orphans_after = last_until
-
-    async def release_all_orphans(self) -> int:
-        """As release_orphans, but among every lease that ran out, wherever the last look ended:
-        a claim that committed more than LATE_COMMIT after its lease ran out, or one another
-        session held during the looks. A chore, every FULL_ORPHAN_PASS_EVERY; how many."""
-        moved, after = 0, None
-        while True:
-            looked, n, last_until, _ = await self._release_orphans(after)
-            moved += n
-            if looked < CHUNK:
-                return moved
-            after = last_until
-
-    async def _release_orphans(self, after: datetime | None) -> tuple[int, int, Any, Any]:
-        async with self._connection() as conn:
-            cur = await conn.execute(self._q.release_orphans, {"after": after, "limit": CHUNK})
-            looked, n, last_until, checked_at = await pg.one_row(cur)
-        return int(looked), int(n), last_until, checked_at
-
-    def shift_orphan_cursor(self, seconds: float) -> None:
-        """Move where the next look for orphans starts back by `seconds` (the interleaving
-        tests move stored times back to make time pass)."""
-        if self._orphans_after is not None:
-            self._orphans_after -= timedelta(seconds=seconds)
-
-    async def reclaim(self) -> int:
-        """TRUNCATE the ready lane's segments whose rows are all done; how many."""
-        reclaimed = 0
-        for seg in range(SEGMENTS):
-            async with self._connection() as conn:
-                cur = await conn.execute(self._q.reclaim_segment, {"seg": seg})
-                (done,) = await pg.one_row(cur)
-            reclaimed += bool(done)
-        return reclaimed
-
-    async def bury_exhausted(self, max_attempts: int) -> list[tuple[UUID, int]]:
-        buried: list[tuple[UUID, int]] = []
-        while True:  # in chunks, each its own transaction
-            async with self._connection() as conn:
-                cur = await conn.execute(
-                    self._q.bury_exhausted, {"max_attempts": max_attempts, "limit": CHUNK}
-                )
-                rows = await cur.fetchall()
-            buried.extend((UUID(str(m)), int(n)) for m, n in rows)
-            if len(rows) < CHUNK:
-                return buried
+            return await pg.one_row(cur)
 
     async def extend(self, claim_id: UUID, ids: Sequence[int], lease: float) -> frozenset[int]:
         params = {"claim_id": claim_id, "ids": list(ids), "lease": lease}
@@ -309,43 +230,9 @@ class PgStore(Readings):
             cur = await conn.execute(self._q.extend_leases, params)
             return frozenset(int(i) for (i,) in await cur.fetchall())
 
-    async def settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:
-        # A settle that records a re-send waits for the flush whatever the setting: losing it in
-        # a crash would lose a send from `attempts + ambiguous`, the bound on the sends.
-        durable = self._synchronous_commit or bool(settlement.resent)
-        async with self._connection() as conn:
-            cur = await conn.execute(self._q.settle, settle_params(claim_id, settlement, durable))
-            archived, dead, retried, released, blocked = await pg.one_row(cur)
-        fenced = settlement.size - archived - dead - retried
-        return model.SettleCounts(archived, dead, retried, fenced, released, blocked)
-
-    async def settle_then_claim(
-        self, claim_id: UUID, settlement: model.Settlement, limit: int, lease: float
-    ) -> tuple[model.SettleCounts, model.Claim]:
-        durable = self._synchronous_commit or bool(settlement.resent)
-        async with self._claiming:
-            params = {
-                **settle_params(claim_id, settlement, durable),
-                **self._claim_params(limit, lease),
-            }
-            params["next_id"] = params.pop("claim_id")
-            params["claim_id"] = claim_id
-            rows = await self._claim_window(self._q.settle_then_claim, params)
-            settled = rows.pop()
-            trailer = rows.pop()
-            self._window.moved(trailer)
-        fenced = settlement.size - settled.archived - settled.dead - settled.retried
-        counts = model.SettleCounts(
-            settled.archived,
-            settled.dead,
-            settled.retried,
-            fenced,
-            settled.released,
-            settled.blocked,
-        )
-        return counts, self._claimed(params["next_id"], rows, trailer)
-
     async def release_stranded(self) -> int:
+        """Release keyed rows whose producer committed while their predecessor was being settled
+        (or whose settle found them held), now that both are over; how many."""
         released = 0
         while True:
             async with self._connection() as conn:
@@ -355,20 +242,35 @@ class PgStore(Readings):
             if looked < CHUNK:
                 return released
 
-    async def forget_idle_keys(self, idle_for: float) -> int:
-        """Forget keys nobody has used for `idle_for` seconds (no message waiting, no block):
-        one pass over `keys`, in pages of their own transactions; how many."""
-        forgotten, after = 0, ""
-        while True:
-            async with self._connection() as conn:
-                cur = await conn.execute(
-                    self._q.forget_idle_keys, {"idle": idle_for, "after": after, "limit": CHUNK}
-                )
-                n, last = await pg.one_row(cur)
-            forgotten += int(n)
-            if last is None:
-                return forgotten
-            after = str(last)
+    async def rescue(self) -> int:
+        """Move the cursors back to the oldest due row and expired lease left behind them, if
+        any (a commit long after its insert, a claim that rolled back); how many moved."""
+        due_from, orphans_from = self.due_from, self.orphans_from
+        if due_from is None or orphans_from is None:
+            return 0  # the next claim starts from the start anyway
+        params = {
+            "due_at": due_from.at,
+            "due_id": due_from.id,
+            "orphan_at": orphans_from.at,
+            "orphan_id": orphans_from.id,
+        }
+        row = await self._one(self._q.behind, params)
+        moved = 0
+        if row.due_at is not None and self.due_from is not None:
+            self.due_from, moved = min(self.due_from, Cursor(row.due_at, row.due_id)), moved + 1
+        if row.orphan_at is not None and self.orphans_from is not None:
+            found = Cursor(row.orphan_at, row.orphan_id)
+            self.orphans_from, moved = min(self.orphans_from, found), moved + 1
+        return moved
+
+    def shift_cursors(self, seconds: float) -> None:
+        """Move the cursors back by `seconds` (the interleaving tests move every stored time back
+        to make time pass)."""
+        back = timedelta(seconds=seconds)
+        if self.due_from is not None:
+            self.due_from = Cursor(self.due_from.at - back, self.due_from.id)
+        if self.orphans_from is not None:
+            self.orphans_from = Cursor(self.orphans_from.at - back, self.orphans_from.id)
 
     async def blocked_key_count(self) -> int:
         async with self._connection() as conn:
@@ -377,15 +279,35 @@ class PgStore(Readings):
         return int(count)
 
 
+def _pages(ids: list[int], sizes: list[int], most: int) -> list[list[int]]:
+    """`ids` cut into runs of at most `most` bytes by `sizes` (a longer row alone)."""
+    pages: list[list[int]] = []
+    page: list[int] = []
+    used = 0
+    for i, size in zip(ids, sizes, strict=True):
+        if page and used + size > most:
+            pages.append(page)
+            page, used = [], 0
+        page.append(i)
+        used += size
+    if page:
+        pages.append(page)
+    return pages
+
+
 async def _check_role_settings(conn: psycopg.AsyncConnection[Any], q: sql.Queries) -> None:
     """What relay_session would set, as the role's own settings (ALTER ROLE … SET)."""
     cur = await conn.execute(q.relay_settings)
-    durable, isolation, role = await pg.one_row(cur)
+    durable, isolation, lock_timeout, idle, role = await pg.one_row(cur)
     wrong = []
     if durable == "off":
         wrong.append("synchronous_commit = on")  # claims must be durable before a publish
     if isolation != "read committed":
         wrong.append("default_transaction_isolation = 'read committed'")
+    if lock_timeout == "0":
+        wrong.append("lock_timeout = '5s'")
+    if idle == "0":
+        wrong.append("idle_in_transaction_session_timeout = '5s'")
     if wrong:
         raise errors.ConfigError(
             "behind a transaction pooler the relay cannot change its sessions' settings; "
@@ -393,10 +315,13 @@ async def _check_role_settings(conn: psycopg.AsyncConnection[Any], q: sql.Querie
         )
 
 
-def _session(query: LiteralString) -> Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]]:
-    """The pool's set-up of each new connection."""
+def session(
+    q: sql.Queries, lock_timeout: float
+) -> Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]]:
+    """The set-up of each of a relay's pooled connections (queries/relay.sql's relay_session)."""
+    millis = str(max(1, round(lock_timeout * 1000)))
 
     async def configure(conn: psycopg.AsyncConnection[Any]) -> None:
-        await conn.execute(query)
+        await conn.execute(q.relay_session, {"lock_timeout": millis})
 
     return configure

@@ -44,7 +44,11 @@ OPTIONS = {
     "b": "a narrow lease table",
     "c": "a claim that resumes from a cursor, with a full pass every second",
     "d": "append-only ring, claims by committed-transaction windows, TRUNCATE",
+    "e": "one lane, cursors with a look-back, claim then fetch, a rescue off the loop",
 }
+#: Option e's look-back (seconds) and how often its rescue looks from the start.
+LOOKBACK = 1.0
+RESCUE_EVERY = 30
 
 
 @dataclass
@@ -199,7 +203,55 @@ class Ring(Loop):
             self.reclaimed += bool(done and done[0])
 
 
-LOOPS: dict[str, type[Loop]] = {"a": Today, "b": LeaseTable, "c": Cursor, "d": Ring}
+class OneLane(Loop):
+    def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        super().__init__(conn)
+        self.due_from = datetime(1970, 1, 1, tzinfo=UTC)  # a fresh relay looks from the start
+        self.orphans_from = self.due_from
+        self.chores = 0
+        self.rescues: list[asyncio.Task[None]] = []
+
+    async def claim(self, claim_id: uuid.UUID) -> list[tuple[int, datetime]]:
+        rows = await (
+            await self.conn.execute(
+                "SELECT * FROM opt.claim(%s, %s, %s, %s, %s)",
+                [LIMIT, claim_id, self.due_from, self.orphans_from, LOOKBACK],
+            )
+        ).fetchall()
+        if not rows:
+            return []
+        self.due_from, self.orphans_from = rows[0][1], rows[0][2]
+        fetched = await (
+            await self.conn.execute(
+                "SELECT id, created_at FROM opt.fetch(%s, %s)", [[r[0] for r in rows], claim_id]
+            )
+        ).fetchall()
+        return [(r[0], r[1]) for r in fetched]
+
+    async def chore(self) -> None:
+        self.chores += 1
+        if self.chores % RESCUE_EVERY == 0:
+            self.rescues.append(asyncio.create_task(self.rescue()))
+
+    async def rescue(self) -> None:
+        info = self.conn.info
+        url = f"postgresql://{info.user}@{info.host}:{info.port}/{info.dbname}"
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            row = await (await conn.execute("SELECT * FROM opt.behind(%s)", [LOOKBACK])).fetchone()
+        assert row is not None
+        if row[0] is not None:
+            self.due_from = min(self.due_from, row[0])
+        if row[1] is not None:
+            self.orphans_from = min(self.orphans_from, row[1])
+
+
+LOOPS: dict[str, type[Loop]] = {
+    "a": Today,
+    "b": LeaseTable,
+    "c": Cursor,
+    "d": Ring,
+    "e": OneLane,
+}
 
 
 async def dead_tuples(conn: psycopg.AsyncConnection[Any], schema: str) -> int:
@@ -331,7 +383,7 @@ def scratch(svc: services.Services, option: str) -> Iterator[str]:
 
 
 def _file(option: str) -> str:
-    return {"b": "lease_table", "c": "cursor", "d": "ring"}[option]
+    return {"b": "lease_table", "c": "cursor", "d": "ring", "e": "one_lane"}[option]
 
 
 if __name__ == "__main__":

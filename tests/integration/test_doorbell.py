@@ -12,6 +12,7 @@ import psycopg
 import pytest
 
 import relay
+from relay.core import model
 from relay.postgres.doorbell import Doorbell
 from relay.postgres.store import PgStore
 from tests.support.amqp import Broker
@@ -135,7 +136,7 @@ async def test_arming_waits_for_a_producer_that_did_not_notify_and_the_look_afte
     commit. The relay must not sleep past that row."""
     store = await PgStore.open(database_url, "outbox", "test-relay")
     try:
-        assert not (await store.claim(10, 30)).messages
+        assert not (await store.claim(model.Ask(10, 30, 10))).messages
         early = await producer(database_url)
         await relay.enqueue_async(early, "x", "k", b"early")  # no relay armed: no NOTIFY
         bell.arm()
@@ -150,7 +151,7 @@ async def test_arming_waits_for_a_producer_that_did_not_notify_and_the_look_afte
         assert await heard(ears, database_url) == [""]
         await early.commit()
         await asyncio.wait_for(bell.armed.wait(), 10)
-        claim = await store.claim(10, 30)
+        claim = await store.claim(model.Ask(10, 30, 10))
         assert sorted(m.body for m in claim.messages) == [b"early", b"late"]
         await early.close()
     finally:

@@ -15,6 +15,7 @@ import psycopg
 import pytest
 
 from relay import app
+from relay.core import model
 from relay.postgres.listener import Listener
 from relay.postgres.store import PgStore
 from tests.support.amqp import Broker
@@ -392,7 +393,7 @@ async def test_a_claims_attempt_survives_a_postgres_crash_with_asynchronous_comm
     try:
         store = await PgStore.open(database_url, "outbox", "crash", synchronous_commit=False)
         try:
-            claim = await store.claim(10, lease=60)
+            claim = await store.claim(model.Ask(10, 60, 10))
             assert [m.attempts for m in claim.messages] == [1]  # …and it is being published
             await asyncio.to_thread(ctl, "stop", "-m", "immediate")  # PostgreSQL crashes
             await asyncio.to_thread(ctl, "start")

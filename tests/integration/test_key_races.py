@@ -15,7 +15,7 @@ import psycopg
 import pytest
 
 import relay
-from relay.core import loop, model
+from relay.core import chores, loop, model
 from relay.postgres import admin
 from relay.postgres.store import PgStore
 from tests.support.fakes import ScriptedPublisher
@@ -47,9 +47,11 @@ async def pg_store(url: str) -> AsyncIterator[PgStore]:
 
 
 async def drain(url: str, script: Script = acked) -> list[tuple[str | None, int | None]]:
-    """Run a relay until nothing is due; the (key, seq) of what it published, in order."""
+    """Run a relay until nothing is due, its rechecks of keyed rows first (as its rescue chore
+    does at start); the (key, seq) of what it published, in order."""
     async with pg_store(url) as store:
         publisher = ScriptedPublisher(script)
+        await store.release_stranded()
         await loop.Relay(store, publisher, loop.Options(retry_delay=0.01)).run_until_empty()
     return [(m.ordering_key, m.seq) for m in publisher.published]
 
@@ -177,7 +179,7 @@ def wide_key(url: str) -> dict[int, int]:
 
 async def claim_head(url: str, ids: dict[int, int]) -> model.Claim:
     async with pg_store(url) as store:
-        claim = await store.claim(10, lease=60)
+        claim = await store.claim(model.Ask(10, 60, 10))
         assert sorted(m.seq or 0 for m in claim.messages) == [1, 2, 3]
         dead = model.DeadLetter(ids[1], model.DeadReason.UNROUTABLE, "returned")
         await store.settle(claim.claim_id, model.Settlement(dead=(dead,)))
@@ -223,7 +225,7 @@ async def test_a_settle_waits_for_a_key_release_in_progress(database_url: str) -
             )
             await asyncio.wait([settling], timeout=0.5)  # it may wait for the operator
             operator.commit()
-            counts = await asyncio.wait_for(settling, 10)
+            counts, _ = await asyncio.wait_for(settling, 10)
     assert counts.archived == 1
     assert gated(database_url, "k") == {3: False, 4: False, 5: False, 6: True}
 
@@ -239,7 +241,7 @@ async def test_a_producer_commit_never_waits_for_a_relay_settling_its_predecesso
     ids = dict(sql(database_url, "SELECT ordering_key, id FROM outbox.messages"))
     mids = dict(sql(database_url, "SELECT ordering_key, message_id FROM outbox.messages"))
     async with pg_store(database_url) as store:
-        claim = await store.claim(10, lease=60)
+        claim = await store.claim(model.Ask(10, 60, 10))
     assert len(claim.messages) == 2
     with psycopg.connect(database_url) as settle, psycopg.connect(database_url) as producer:
         relay.enqueue(producer, "x", "k", b"a2", ordering_key="a")
@@ -307,6 +309,12 @@ async def test_multi_key_producers_and_settling_relays_never_fail_a_producer(
             asyncio.ensure_future(loop.Relay(store, SharedLog(log), options).run(stop))
             for store in (one, two)
         ]
+        # Each relay's rescue, as the composition root runs it beside the loop (here on a short
+        # interval, where a relay wakes it at each producer's recheck NOTIFY).
+        rescues = [
+            asyncio.ensure_future(chores.Chore("rescue", store.release_stranded, 0.05).run())
+            for store in (one, two)
+        ]
         producers = [threading.Thread(target=produce, args=(n,)) for n in range(4)]
         for thread in producers:
             thread.start()
@@ -320,6 +328,9 @@ async def test_multi_key_producers_and_settling_relays_never_fail_a_producer(
             await until_async(drained, interval=0.05, message="the relays to drain what is left")
         finally:
             stop.set()
+            for rescue in rescues:
+                rescue.cancel()
+            await asyncio.gather(*rescues, return_exceptions=True)
             await asyncio.gather(*relays)
     assert failures == [], failures[0]
     assert len(committed) == 160

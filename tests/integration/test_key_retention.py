@@ -1,16 +1,19 @@
-"""Ordering keys nobody uses any more are forgotten (OUTBOX_KEY_RETENTION), and only those: not a
-key with a message waiting, a blocked key, a key a producer holds right now, or one used lately."""
+"""Ordering keys nobody uses any more are forgotten (`outbox-relay keys forget`, an operator's job:
+a relay login must hold no lock a producer needs), and only those: not a key with a message
+waiting, a blocked key, a key a producer holds right now, or one used lately."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import psycopg
 import pytest
 
 import relay
-from relay.core import config, errors
-from relay.postgres.store import PgStore
+from relay.core import errors
+from relay.postgres.admin import Admin
+from tests.support.processes import assert_one_line_error, clean_env, run_cli
 
 
 def sql(url: str, text: str, *args: Any) -> list[tuple[Any, ...]]:
@@ -29,7 +32,7 @@ def keys(url: str) -> set[str]:
     return {str(k) for (k,) in sql(url, "SELECT ordering_key FROM outbox.keys")}
 
 
-async def test_idle_keys_are_forgotten_and_the_others_kept(database_url: str) -> None:
+def test_idle_keys_are_forgotten_and_the_others_kept(database_url: str) -> None:
     for key in ("idle", "waiting", "blocked", "held", "recent", "paced", "died"):
         enqueue(database_url, key)
     sql(database_url, "DELETE FROM outbox.messages WHERE ordering_key <> 'waiting'")  # settled
@@ -49,34 +52,28 @@ async def test_idle_keys_are_forgotten_and_the_others_kept(database_url: str) ->
     )
     sql(database_url, "UPDATE outbox.keys SET touched_at = now() - interval '40 days'")
     sql(database_url, "UPDATE outbox.keys SET touched_at = now() WHERE ordering_key = 'recent'")
-    store = await PgStore.open(database_url, "outbox", "keys-test")
-    try:
+    with Admin.connect(database_url) as ops:
         with psycopg.connect(database_url) as producer:
             producer.execute("SELECT 1 FROM outbox.keys WHERE ordering_key = 'held' FOR UPDATE")
-            forgotten = await store.forget_idle_keys(30 * 86400)  # a producer holds "held"
+            forgotten = ops.keys_forget(timedelta(days=30))  # a producer holds "held"
         assert forgotten == 2
         assert keys(database_url) == {"waiting", "blocked", "held", "recent", "died"}
         assert sql(database_url, "SELECT count(*) FROM outbox.key_releases") == [(0,)]
-        assert await store.forget_idle_keys(30 * 86400) == 1  # "held" now, its producer gone
-    finally:
-        await store.close()
+        assert ops.keys_forget(timedelta(days=30)) == 1  # "held" now, its producer gone
     enqueue(database_url, "idle")  # used again: numbered from 1 again
     assert sql(database_url, "SELECT seq FROM outbox.messages WHERE ordering_key = 'idle'") == [
         (1,)
     ]
 
 
-async def test_a_pass_over_many_keys_takes_short_pages(database_url: str) -> None:
+def test_a_pass_over_many_keys_takes_short_pages(database_url: str) -> None:
     sql(
         database_url,
         "INSERT INTO outbox.keys (ordering_key, last_seq, concurrency, min_interval, touched_at)"
         " SELECT 'k' || i, 1, 1, '0', now() - interval '1 year' FROM generate_series(1, 2500) i",
     )
-    store = await PgStore.open(database_url, "outbox", "keys-test")
-    try:
-        assert await store.forget_idle_keys(86400) == 2500  # three pages of at most 1,000
-    finally:
-        await store.close()
+    with Admin.connect(database_url) as ops:
+        assert ops.keys_forget(timedelta(days=1)) == 2500  # three pages of at most 1,000
     assert keys(database_url) == set()
     page = sql(database_url, "SELECT * FROM outbox.forget_idle_keys('1 day', NULL, 10)")
     assert page == [(0, None)]
@@ -90,8 +87,12 @@ def test_a_nonsense_retention_is_refused(database_url: str) -> None:
         conn.execute("SELECT * FROM outbox.forget_idle_keys('59 minutes', '', 10)")
 
 
-def test_the_retention_setting_is_off_or_an_hour_or_more() -> None:
-    assert config.load(key_retention=0).key_retention == 0
-    assert config.load(key_retention="2h").key_retention == 7200
-    with pytest.raises(errors.ConfigError, match="--key-retention"):
-        config.load(key_retention="10m")
+def test_keys_forget_is_a_command_that_refuses_less_than_an_hour(database_url: str) -> None:
+    env = clean_env(OUTBOX_DATABASE_URL=database_url)
+    done = run_cli("keys", "forget", "--idle", "2h", env=env)
+    assert done.returncode == 0, done.stderr
+    assert "forgot 0 ordering keys" in done.stdout
+    refused = run_cli("keys", "forget", "--idle", "10m", env=env)
+    assert_one_line_error(refused, 2, "an hour or more")
+    with Admin.connect(database_url) as ops, pytest.raises(errors.InvalidArgument):
+        ops.keys_forget(timedelta(minutes=59))

@@ -144,7 +144,7 @@ async def test_orphans_outlasting_a_lease_do_not_make_a_relay_send_its_stale_cla
     options = loop.Options(batch_size=20, lease=LEASE, prefetch=True, poll_interval=0.05)
     enqueue(database_url, *([None] * 15))
     async with store(database_url, "dead") as dead, store(database_url, "relay-a") as store_a:
-        assert len((await dead.claim(20, LEASE)).messages) == 15  # and then it died
+        assert len((await dead.claim(model.Ask(20, LEASE, 10))).messages) == 15  # and then it died
         enqueue(database_url, *([None] * 20), "k", "k", "k")
 
         async def orphaned() -> bool:
@@ -175,14 +175,21 @@ async def test_orphans_outlasting_a_lease_do_not_make_a_relay_send_its_stale_cla
 
 
 class RecordingStore(PgStore):
-    """PgStore that remembers every message an orphan claim handed to the relay."""
+    """PgStore that remembers every message a claim handed to the relay."""
 
     read: list[model.OutboxMessage]
 
-    async def claim_orphans(self, *args: Any, **kwargs: Any) -> model.Claim:
-        claim = await super().claim_orphans(*args, **kwargs)
+    async def claim(self, ask: model.Ask) -> model.Claim:
+        claim = await super().claim(ask)
         self.read = [*getattr(self, "read", []), *claim.messages]
         return claim
+
+    async def settle(
+        self, claim_id: Any, settlement: model.Settlement, then: model.Ask | None = None
+    ) -> tuple[model.SettleCounts, model.Claim]:
+        counts, claim = await super().settle(claim_id, settlement, then)
+        self.read = [*getattr(self, "read", []), *claim.messages]
+        return counts, claim
 
 
 async def test_every_exhausted_orphan_is_buried_unread_in_one_pass(database_url: str) -> None:

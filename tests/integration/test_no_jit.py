@@ -38,14 +38,13 @@ def conn(database_url: str) -> Iterator[Conn]:
         conn.execute("SET jit = on")
         if conn.execute("SELECT pg_jit_available()").fetchone() != (True,):
             pytest.skip("this server cannot load its JIT provider (llvmjit): nothing could compile")
-        conn.execute("SELECT outbox.use_fast_lane()")
         conn.execute(
             "SELECT outbox.enqueue('x', 'k', convert_to(g::text, 'UTF8'),"
             " ordering_key => CASE WHEN g %% 10 = 0 THEN 'key-' || g %% 7 END)"
             " FROM generate_series(1, %s) AS g",
             [ROWS],
         )
-        conn.execute("ANALYZE outbox.ready, outbox.claims, outbox.done, outbox.messages")
+        conn.execute("ANALYZE outbox.messages")
         yield conn
 
 
@@ -81,49 +80,39 @@ class Plans:
         return [n for n in self.notices if "JIT:" in n]
 
 
+def request(claim_id: uuid.UUID, limit: int = 200) -> tuple[object, ...]:
+    """A claim_request (migration 0026) from the start."""
+    return (claim_id, "p", 30, limit, 100_000_000, 5, None, None, None, None)
+
+
 def a_relays_work(conn: Conn) -> None:
-    """A relay's statements once each: start, claim, renew, settle-and-claim, settle, the
-    doorbell and the chores."""
-    start = conn.execute("SELECT * FROM outbox.lane_start()").fetchone()
-    assert start is not None
-    snapshot, xid, first = start
-    assert first is not None
+    """A relay's statements once each: claim, renew, settle-and-claim, settle, the rescue's
+    recheck, the doorbell and the pruner."""
     claim_id = uuid.uuid4()
-    ids = [
-        int(i)
-        for (i,) in conn.execute(
-            "SELECT id FROM outbox.claim_batch(200, 100000000, %s, 'p', 30, %s, %s, %s, %s,"
-            " false, true) WHERE id IS NOT NULL",
-            [claim_id, f"{xid}:{xid}:", snapshot, xid, first - 1],
-        )
-    ]
+    (ids,) = conn.execute(
+        "SELECT ids FROM outbox.claim(%s::outbox.claim_request)", [request(claim_id)]
+    ).fetchone() or ([],)
     assert ids
     conn.execute("SELECT * FROM outbox.extend_leases(%s, %s, 30)", [claim_id, ids]).fetchall()
     next_claim = uuid.uuid4()
-    following = conn.execute(
-        "SELECT id FROM outbox.settle_then_claim(%s, %s, '{}', '{}', '{}', '{}', '{}', '{}', '{}',"
-        " '{}', '{}', true, 200, 100000000, %s, 'p', 30, %s, NULL, '0', 0, true, true)"
-        " WHERE id IS NOT NULL",
-        [claim_id, ids, next_claim, snapshot],
-    ).fetchall()
+    (following,) = conn.execute(
+        "SELECT ids FROM outbox.settle(%s, %s, array_fill('archive'::text, ARRAY[%s]), NULL, NULL,"
+        " NULL, '{}', true, %s::outbox.claim_request)",
+        [claim_id, ids, len(ids), request(next_claim)],
+    ).fetchone() or ([],)
     assert following
-    # The batch settle_then_claim took, settled on its own (the plain settle).
+    # The batch that settle took, settled on its own (no next claim).
     archived = conn.execute(
-        "SELECT archived FROM outbox.settle(%s, %s, '{}', '{}', '{}', '{}', '{}', '{}', '{}',"
-        " '{}', '{}', true)",
-        [next_claim, [int(i) for (i,) in following]],
+        "SELECT archived FROM outbox.settle(%s, %s, array_fill('archive'::text, ARRAY[%s]), NULL,"
+        " NULL, NULL, '{}', true, NULL)",
+        [next_claim, following, len(following)],
     ).fetchone()
     assert archived == (len(following),)
     for statement in (
         "SELECT outbox.use_doorbell()",
         "SELECT outbox.arm_doorbell()",
-        "SELECT * FROM outbox.release_orphans(NULL, 500)",
-        "SELECT * FROM outbox.lane_gauges()",
-        "SELECT * FROM outbox.sweep_stragglers(pg_current_snapshot()::text, 500)",
-        "SELECT * FROM outbox.bury_exhausted(5, 500)",
         "SELECT * FROM outbox.release_stranded(500)",
-        "SELECT * FROM outbox.forget_idle_keys(interval '1 hour', NULL, 500)",
-        "SELECT outbox.reclaim_segment(3)",
+        "SELECT * FROM outbox.prune_archive(now(), 500)",
     ):
         conn.execute(statement).fetchall()
 
@@ -132,7 +121,9 @@ def test_no_statement_of_a_relay_is_jit_compiled(conn: Conn) -> None:
     plans = Plans(conn)
     # The control: a statement of this session's own above the threshold does compile, so the
     # check below can see a compilation.
-    conn.execute("SELECT count(*) FROM outbox.ready r JOIN outbox.messages m USING (id)").fetchone()
+    conn.execute(
+        "SELECT count(*) FROM outbox.messages a JOIN outbox.messages b USING (id)"
+    ).fetchone()
     assert plans.compiled(), "JIT did not compile a statement above the lowered threshold"
     plans.notices.clear()
 
@@ -146,7 +137,7 @@ def test_no_statement_of_a_relay_is_jit_compiled(conn: Conn) -> None:
 def test_every_function_a_relay_may_call_turns_jit_off(conn: Conn) -> None:
     # The grant is the list of a relay's entry points; what they call inherits their setting.
     names = relay_functions()
-    assert "claim_batch" in names
+    assert "claim" in names
     assert "settle" in names
     rows = conn.execute(
         "SELECT p.proname FROM pg_proc p"

@@ -108,18 +108,24 @@ async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
         await store.close()
 
 
+def ask(limit: int = 10, lease: float = 30, max_attempts: int = 10) -> model.Ask:
+    return model.Ask(limit, lease, max_attempts)
+
+
 async def test_claim_leases_due_rows_in_order_and_counts_an_attempt(harness: Harness) -> None:
     ids = [await harness.add(f"k{i}") for i in range(5)]
-    claim = await harness.store.claim(3, lease=30)
-    assert [m.message_id for m in sorted(claim.messages, key=lambda m: m.id)] == ids[:3]
+    claim = await harness.store.claim(ask(3))
+    assert [m.message_id for m in claim.messages] == ids[:3]
     assert {m.attempts for m in claim.messages} == {1}
-    assert (await harness.store.claim(10, lease=30)).messages.__len__() == 2
-    assert (await harness.store.claim(10, lease=30)).messages == ()
+    assert claim.cut_short  # more are due behind the batch
+    rest = await harness.store.claim(ask())
+    assert (len(rest.messages), rest.cut_short) == (2, False)
+    assert (await harness.store.claim(ask())).messages == ()
 
 
 async def test_claimed_rows_carry_the_message(harness: Harness) -> None:
     message_id = await harness.add("order.created")
-    (message,) = (await harness.store.claim(10, lease=30)).messages
+    (message,) = (await harness.store.claim(ask())).messages
     assert message.message_id == message_id
     assert (message.exchange, message.routing_key, message.body) == ("x", "order.created", b"body")
     assert message.properties["content_type"] == "application/octet-stream"
@@ -128,15 +134,15 @@ async def test_claimed_rows_carry_the_message(harness: Harness) -> None:
 
 async def test_scheduled_rows_wait_until_due(harness: Harness) -> None:
     await harness.add(delay=0.5)
-    assert (await harness.store.claim(10, lease=30)).messages == ()
+    assert (await harness.store.claim(ask())).messages == ()
     await harness.advance(0.5)
-    assert len((await harness.store.claim(10, lease=30)).messages) == 1
+    assert len((await harness.store.claim(ask())).messages) == 1
 
 
 async def test_concurrent_claims_never_share_a_row(harness: Harness) -> None:
     for i in range(60):
         await harness.add(f"k{i}")
-    claims = await asyncio.gather(*(harness.store.claim(7, lease=30) for _ in range(12)))
+    claims = await asyncio.gather(*(harness.store.claim(ask(7)) for _ in range(12)))
     ids = [m.id for c in claims for m in c.messages]
     assert sorted(ids) == sorted(set(ids))
     assert len(ids) == 60
@@ -144,9 +150,9 @@ async def test_concurrent_claims_never_share_a_row(harness: Harness) -> None:
 
 async def test_settle_archives_dead_letters_and_retries(harness: Harness) -> None:
     keep, drop, again = [await harness.add(k) for k in ("a", "b", "c")]
-    claim = await harness.store.claim(10, lease=30)
+    claim = await harness.store.claim(ask())
     by_id = {m.message_id: m.id for m in claim.messages}
-    counts = await harness.store.settle(
+    counts, following = await harness.store.settle(
         claim.claim_id,
         model.Settlement(
             archive=(by_id[keep],),
@@ -155,21 +161,22 @@ async def test_settle_archives_dead_letters_and_retries(harness: Harness) -> Non
         ),
     )
     assert counts == model.SettleCounts(archived=1, dead=1, retried=1, fenced=0)
+    assert following.messages == ()  # nothing was asked for
     stats = await harness.store.stats()
     assert (stats.archived, stats.dead, stats.dead_by_reason) == (1, 1, {"unroutable": 1})
     assert (stats.pending, stats.scheduled, stats.in_flight) == (1, 1, 0)
     assert await harness.attempts(again) == (1, 0)
     await harness.advance(0.2)
-    (retried,) = (await harness.store.claim(10, lease=30)).messages
+    (retried,) = (await harness.store.claim(ask())).messages
     assert (retried.message_id, retried.attempts, retried.last_error) == (again, 2, "nacked")
 
 
-async def test_settle_then_claim_settles_a_batch_and_claims_the_next(harness: Harness) -> None:
+async def test_a_settle_that_claims_settles_a_batch_and_claims_the_next(harness: Harness) -> None:
     first_id = await harness.add("a")
-    first = await harness.store.claim(10, lease=30)
+    first = await harness.store.claim(ask())
     later = [await harness.add(k) for k in ("b", "c", "d")]
-    counts, following = await harness.store.settle_then_claim(
-        first.claim_id, model.Settlement(archive=tuple(m.id for m in first.messages)), 2, 30
+    counts, following = await harness.store.settle(
+        first.claim_id, model.Settlement(archive=tuple(m.id for m in first.messages)), ask(2)
     )
     assert counts == model.SettleCounts(archived=1)
     assert following.claim_id != first.claim_id
@@ -179,8 +186,8 @@ async def test_settle_then_claim_settles_a_batch_and_claims_the_next(harness: Ha
     ]
     assert await harness.attempts(first_id) is None  # archived
     # The next claim is the fence of its rows' settle, as any claim is.
-    counts, _ = await harness.store.settle_then_claim(
-        first.claim_id, model.Settlement(archive=tuple(m.id for m in following.messages)), 2, 30
+    counts, _ = await harness.store.settle(
+        first.claim_id, model.Settlement(archive=tuple(m.id for m in following.messages)), ask(2)
     )
     assert counts == model.SettleCounts(fenced=2)
 
@@ -190,7 +197,7 @@ async def test_refunded_retry_gives_the_attempt_back(
     harness: Harness, ambiguous: bool, expected: tuple[int, int]
 ) -> None:
     message_id = await harness.add()
-    claim = await harness.store.claim(10, lease=30)
+    claim = await harness.store.claim(ask())
     (message,) = claim.messages
     await harness.store.settle(
         claim.claim_id,
@@ -203,7 +210,7 @@ async def test_refunded_retry_gives_the_attempt_back(
 
 async def test_resent_rows_count_one_more_ambiguous_send(harness: Harness) -> None:
     message_id = await harness.add()
-    claim = await harness.store.claim(10, lease=30)
+    claim = await harness.store.claim(ask())
     (message,) = claim.messages
     await harness.store.settle(
         claim.claim_id,
@@ -212,80 +219,82 @@ async def test_resent_rows_count_one_more_ambiguous_send(harness: Harness) -> No
     assert await harness.attempts(message_id) == (1, 1)
 
 
-async def test_expired_lease_makes_an_orphan_and_fences_the_old_claim(harness: Harness) -> None:
+async def test_an_expired_lease_is_claimed_again_and_fences_the_old_claim(
+    harness: Harness,
+) -> None:
     message_id = await harness.add()
-    first = await harness.store.claim(10, lease=0.3)
-    assert (
-        await harness.store.claim_orphans(10, lease=30, max_attempts=10)
-    ).messages == ()  # still leased
+    first = await harness.store.claim(ask(lease=0.3))
+    assert (await harness.store.claim(ask())).messages == ()  # still leased
     await harness.advance(0.3)
-    assert (await harness.store.claim(10, lease=30)).messages == ()  # orphans are not for claim()
-    second = await harness.store.claim_orphans(10, lease=30, max_attempts=10)
+    second = await harness.store.claim(ask())
     assert [(m.message_id, m.attempts) for m in second.messages] == [(message_id, 2)]
     (row,) = second.messages
-    late = await harness.store.settle(first.claim_id, model.Settlement(archive=(row.id,)))
+    late, _ = await harness.store.settle(first.claim_id, model.Settlement(archive=(row.id,)))
     assert late == model.SettleCounts(fenced=1)
     assert (await harness.store.stats()).archived == 0
-    owner = await harness.store.settle(second.claim_id, model.Settlement(archive=(row.id,)))
+    owner, _ = await harness.store.settle(second.claim_id, model.Settlement(archive=(row.id,)))
     assert owner == model.SettleCounts(archived=1)
 
 
-async def test_claim_orphans_takes_only_orphans(harness: Harness) -> None:
-    await harness.add("healthy")
-    assert (await harness.store.claim_orphans(10, lease=30, max_attempts=10)).messages == ()
-    assert [m.routing_key for m in (await harness.store.claim(10, lease=30)).messages] == [
-        "healthy"
+async def test_expired_leases_come_before_due_rows(harness: Harness) -> None:
+    orphan = await harness.add("orphan")
+    await harness.store.claim(ask(lease=0.3))
+    await harness.advance(0.3)
+    fresh = await harness.add("fresh")
+    claim = await harness.store.claim(ask())
+    assert [m.message_id for m in claim.messages] == [orphan, fresh]
+
+
+async def test_a_lease_lost_more_than_once_is_claimed_alone(harness: Harness) -> None:
+    twice = await harness.add("twice")
+    await harness.store.claim(ask(lease=0.2))
+    await harness.advance(0.2)
+    await harness.store.claim(ask(lease=0.2))  # its second claim, never settled either
+    await harness.add("fresh")
+    await harness.advance(0.2)
+    claim = await harness.store.claim(ask())  # a row that kills its relay takes only itself
+    assert [(m.message_id, m.attempts, claim.cut_short) for m in claim.messages] == [
+        (twice, 3, True)
     ]
+    assert [m.routing_key for m in (await harness.store.claim(ask())).messages] == ["fresh"]
 
 
 async def test_heartbeat_keeps_a_lease_and_only_for_its_claim(harness: Harness) -> None:
     await harness.add()
-    claim = await harness.store.claim(10, lease=0.4)
+    claim = await harness.store.claim(ask(lease=0.4))
     ids = [m.id for m in claim.messages]
     assert await harness.store.extend(claim.claim_id, ids, lease=30) == frozenset(ids)
     await harness.advance(0.4)
-    renewed = await harness.store.claim_orphans(10, lease=30, max_attempts=10)
-    assert renewed.messages == ()  # not orphaned
+    assert (await harness.store.claim(ask())).messages == ()  # renewed: not expired
     assert await harness.store.extend(uuid.uuid4(), ids, lease=30) == frozenset()  # not its claim
 
 
 async def test_extend_names_only_the_rows_the_claim_still_holds(harness: Harness) -> None:
     for _ in range(2):
         await harness.add()
-    first = await harness.store.claim(10, lease=0.3)
+    first = await harness.store.claim(ask(lease=0.3))
     ids = sorted(m.id for m in first.messages)
     await harness.advance(0.3)
-    taken = await harness.store.claim_orphans(1, lease=30, max_attempts=10)  # one is taken over
+    taken = await harness.store.claim(ask(1))  # one is taken over
     (lost,) = [m.id for m in taken.messages]
     assert await harness.store.extend(first.claim_id, ids, lease=30) == frozenset(ids) - {lost}
 
 
-async def test_orphans_out_of_attempts_are_left_to_bury(harness: Harness) -> None:
-    await harness.add()
-    await harness.store.claim(10, lease=0.2)
-    await harness.advance(0.2)
-    assert (await harness.store.claim_orphans(10, lease=30, max_attempts=1)).messages == ()
-    assert len(await harness.store.bury_exhausted(max_attempts=1)) == 1
-
-
-async def test_exhausted_orphans_are_buried_unread(harness: Harness) -> None:
+async def test_exhausted_leases_are_buried_unread(harness: Harness) -> None:
     doomed = await harness.add("doomed")
     spared = await harness.add("spared")
-    await harness.store.claim(10, lease=0.2)
+    await harness.store.claim(ask(lease=0.2))
     await harness.advance(0.2)
-    await harness.store.claim_orphans(
-        10, lease=0.2, max_attempts=10
-    )  # both claimed twice, never settled
+    await harness.store.claim(ask(lease=0.2))  # both claimed twice, never settled
     await harness.advance(0.2)
-    assert await harness.store.bury_exhausted(max_attempts=3) == []  # not yet exhausted
-    claim = await harness.store.claim_orphans(
-        10, lease=0.3, max_attempts=10
-    )  # both now leased a third time
-    (spared_row,) = [m for m in claim.messages if m.message_id == spared]
-    await harness.store.settle(claim.claim_id, model.Settlement(archive=(spared_row.id,)))
-    assert await harness.store.bury_exhausted(max_attempts=3) == []  # doomed is still leased
+    claim = await harness.store.claim(ask(lease=0.3, max_attempts=3))  # alone: lost twice
+    (row,) = claim.messages
+    assert (claim.buried, row.attempts) == ((), 3)
+    await harness.store.settle(claim.claim_id, model.Settlement(archive=(row.id,)))
     await harness.advance(0.3)
-    assert await harness.store.bury_exhausted(max_attempts=3) == [(doomed, 3)]
+    buried = await harness.store.claim(ask(max_attempts=2))
+    left = {doomed, spared} - {row.message_id}
+    assert (buried.messages, buried.buried) == ((), tuple((m, 2) for m in left))
     stats = await harness.store.stats()
     assert (stats.pending, stats.archived, stats.dead_by_reason) == (0, 1, {"max_attempts": 1})
 
@@ -294,7 +303,7 @@ async def test_stats_count_each_state(harness: Harness) -> None:
     for _ in range(3):
         await harness.add()
     await harness.add(delay=3600)
-    await harness.store.claim(1, lease=30)
+    await harness.store.claim(ask(1))
     stats = await harness.store.stats()
     assert (stats.pending, stats.due, stats.scheduled, stats.in_flight) == (3, 2, 1, 1)
     assert stats.oldest_pending_age_seconds is not None
@@ -319,9 +328,11 @@ async def test_relay_sessions_claim_durably_and_read_committed_data_whatever_the
             for pooled in (first, second):  # every connection of the pool, old and new
                 cur = await pooled.execute(
                     "SELECT current_setting('synchronous_commit'),"
-                    " current_setting('default_transaction_isolation')"
+                    " current_setting('default_transaction_isolation'),"
+                    " current_setting('lock_timeout'),"
+                    " current_setting('idle_in_transaction_session_timeout')"
                 )
-                assert await cur.fetchone() == ("on", "read committed")
+                assert await cur.fetchone() == ("on", "read committed", "5s", "5s")
     finally:
         await store.close()
 
@@ -332,8 +343,7 @@ def test_a_settle_waits_for_the_flush_only_when_asked(
 ) -> None:
     with psycopg.connect(database_url) as conn:
         conn.execute(
-            "SELECT outbox.settle(gen_random_uuid(), '{}', '{}', '{}', '{}', '{}', '{}', '{}',"
-            " '{}', '{}', '{}', %s)",
+            "SELECT outbox.settle(gen_random_uuid(), '{}', '{}', '{}', '{}', '{}', '{}', %s, NULL)",
             [durable],
         )
         assert conn.execute("SHOW synchronous_commit").fetchone() == (commits,)
@@ -367,7 +377,7 @@ async def test_a_batch_stops_at_its_byte_budget(kind: str, request: pytest.Fixtu
         await harness.add(body=b"y" * 400 * kib)  # more than the whole budget on its own
         shapes = []
         for _ in range(4):
-            claim = await harness.store.claim(10, lease=30)
+            claim = await harness.store.claim(ask())
             shapes.append(([len(m.body) // kib for m in claim.messages], claim.cut_short))
         assert shapes == [
             ([100, 100], True),  # a third would pass 250 KiB

@@ -91,20 +91,53 @@ class MemoryStore:
             self.fail_next[method] -= 1
             raise errors.DatabaseUnavailable(f"{method}: simulated outage")
 
-    async def claim(self, limit: int, lease: float) -> model.Claim:
+    async def claim(self, ask: model.Ask) -> model.Claim:
         self._enter("claim")
-        return self._lease(lambda r: r.claim_id is None, limit, lease, self.batch_max_bytes)
+        return self._claim(ask)
 
-    async def claim_orphans(self, limit: int, lease: float, max_attempts: int) -> model.Claim:
-        self._enter("claim_orphans")
-        return self._lease(
-            lambda r: r.claim_id is not None and r.attempts < max_attempts, limit, lease
+    def _claim(self, ask: model.Ask) -> model.Claim:
+        """As migration 0026's claim: expired leases first (one claimed more than once before
+        goes alone; one with `max_attempts` claims goes to dead unread), then due rows."""
+        expired = sorted(
+            (
+                r
+                for r in self.rows.values()
+                if r.claim_id is not None and r.available_at <= self.now
+            ),
+            key=lambda r: (r.available_at, r.id),
+        )[: ask.limit]
+        buried = [r for r in expired if r.attempts >= ask.max_attempts]
+        for row in buried:
+            self.dead.append(Settled(self.rows.pop(row.id), "max_attempts", "never settled"))
+        taken: list[Row] = []
+        left = False  # expired leases left for the next claim
+        for row in (r for r in expired if r.attempts < ask.max_attempts):
+            if row.attempts >= 2:
+                left = True  # alone: after the batch so far, or as a batch of its own
+                taken = taken or [row]
+                break
+            taken.append(row)
+        more = left or len(expired) >= ask.limit
+        if not more:
+            due, more = self._due(ask.limit - len(taken), bool(taken))
+            taken += due
+        claim_id = uuid.uuid4()
+        for row in taken:
+            row.attempts += 1
+            row.claim_id = claim_id
+            row.available_at = self.now + timedelta(seconds=ask.lease)
+        return model.Claim(
+            claim_id,
+            tuple(_message(r) for r in taken),
+            more,
+            tuple((r.message_id, r.attempts) for r in buried),
         )
 
-    def _lease(
-        self, which: Callable[[Row], bool], limit: int, lease: float, budget: int | None = None
-    ) -> model.Claim:
-        heads: dict[str, int] = {}  # the key gate: only a key's oldest row still here is due
+    def _due(self, room: int, some: bool) -> tuple[list[Row], bool]:
+        """Up to `room` due unclaimed rows (the key gate: only a key's oldest row still here),
+        within the byte budget (at least one row unless `some` were taken already); and whether
+        due rows were left behind."""
+        heads: dict[str, int] = {}
         for row in sorted(self.rows.values(), key=lambda r: r.id):
             if row.ordering_key is not None:
                 heads.setdefault(row.ordering_key, row.id)
@@ -112,44 +145,24 @@ class MemoryStore:
             (
                 r
                 for r in self.rows.values()
-                if which(r)
+                if r.claim_id is None
                 and r.available_at <= self.now
                 and (r.ordering_key is None or heads[r.ordering_key] == r.id)
             ),
             key=lambda r: (r.available_at, r.id),
-        )[:limit]
+        )[:room]
         locked = len(due)
-        if budget is not None:  # as claim_batch: stop at the budget, but take at least one
+        if self.batch_max_bytes is not None:
             running, taken = 0, list[Row]()
             for row in due:
                 running += (
                     len(row.body) + len(json.dumps(row.headers)) + len(json.dumps(row.properties))
                 )
-                if taken and running > budget:
+                if (taken or some) and running > self.batch_max_bytes:
                     break
                 taken.append(row)
             due = taken
-        claim_id = uuid.uuid4()
-        for row in due:
-            row.attempts += 1
-            row.claim_id = claim_id
-            row.available_at = self.now + timedelta(seconds=lease)
-        return model.Claim(claim_id, tuple(_message(r) for r in due), len(due) < locked)
-
-    async def release_orphans(self, lease: float) -> int:
-        self._enter("release_orphans")
-        return 0  # one lane: orphans are found where they are
-
-    async def bury_exhausted(self, max_attempts: int) -> list[tuple[UUID, int]]:
-        self._enter("bury_exhausted")
-        doomed = [
-            r
-            for r in self.rows.values()
-            if r.claim_id is not None and r.available_at <= self.now and r.attempts >= max_attempts
-        ]
-        for row in doomed:
-            self.dead.append(Settled(self.rows.pop(row.id), "max_attempts", "never settled"))
-        return [(r.message_id, r.attempts) for r in doomed]
+        return due, len(due) < locked or (room > 0 and locked >= room)
 
     async def extend(self, claim_id: UUID, ids: Sequence[int], lease: float) -> frozenset[int]:
         self._enter("extend")
@@ -158,20 +171,14 @@ class MemoryStore:
             row.available_at = self.now + timedelta(seconds=lease)
         return frozenset(row.id for row in rows)
 
-    async def release_stranded(self) -> int:
-        self._enter("release_stranded")
-        return 0  # no ordering keys here
-
-    async def settle_then_claim(
-        self, claim_id: UUID, settlement: model.Settlement, limit: int, lease: float
+    async def settle(
+        self, claim_id: UUID, settlement: model.Settlement, then: model.Ask | None = None
     ) -> tuple[model.SettleCounts, model.Claim]:
-        self._enter("settle_then_claim")  # one transaction: both or neither
+        self._enter("settle")  # one transaction: both or neither
         counts = self._settle(claim_id, settlement)
-        return counts, self._lease(lambda r: r.claim_id is None, limit, lease, self.batch_max_bytes)
-
-    async def settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:
-        self._enter("settle")
-        return self._settle(claim_id, settlement)
+        if then is None:
+            return counts, model.Claim(uuid.uuid4(), ())
+        return counts, self._claim(then)
 
     def _settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:
         owned = {i for i, r in self.rows.items() if r.claim_id == claim_id}

@@ -30,7 +30,7 @@ async def test_a_hold_is_trusted_for_most_of_the_lease_from_when_the_claim_was_s
     store.add()
     keeper = leases.Keeper(store, LEASE, lambda: clock(store))
     sent = clock(store)
-    claim = await store.claim(10, LEASE)
+    claim = await store.claim(model.Ask(10, LEASE, 10))
     keeper.hold(claim, sent)
     ids = frozenset(m.id for m in claim.messages)
     store.advance(LEASE * leases.TRUST - 0.01)
@@ -45,10 +45,10 @@ async def test_the_keeper_renews_every_hold_and_lets_go_of_rows_taken_over() -> 
     for _ in range(2):
         store.add()
     keeper = leases.Keeper(store, LEASE, lambda: clock(store))
-    claim = await store.claim(10, LEASE)
+    claim = await store.claim(model.Ask(10, LEASE, 10))
     keeper.hold(claim, clock(store))
     store.advance(LEASE)  # no renewal in time: another relay takes one of them
-    taken = await store.claim_orphans(1, LEASE, max_attempts=10)
+    taken = await store.claim(model.Ask(1, LEASE, 10))
     await keeper.run_once()
     (lost,) = [m.id for m in taken.messages]
     everything = frozenset(m.id for m in claim.messages)
@@ -64,7 +64,7 @@ async def test_a_heartbeat_leaves_a_fresh_hold_alone_and_renews_it_in_time() -> 
     store = MemoryStore()
     store.add()
     keeper = leases.Keeper(store, LEASE, lambda: clock(store))
-    claim = await store.claim(10, LEASE)
+    claim = await store.claim(model.Ask(10, LEASE, 10))
     keeper.hold(claim, clock(store))
     await keeper.run_once()  # claimed a moment ago: rewriting its rows would be waste
     assert store.calls.count("extend") == 0
@@ -79,7 +79,7 @@ async def test_confirm_renews_a_hold_with_little_trust_left_and_names_what_is_st
     store = MemoryStore()
     store.add()
     keeper = leases.Keeper(store, LEASE, lambda: clock(store))
-    claim = await store.claim(10, LEASE)
+    claim = await store.claim(model.Ask(10, LEASE, 10))
     keeper.hold(claim, clock(store))
     assert await keeper.confirm(claim.claim_id) == {claim.messages[0].id}
     assert store.calls.count("extend") == 0  # plenty of trust left: no round trip
@@ -87,7 +87,7 @@ async def test_confirm_renews_a_hold_with_little_trust_left_and_names_what_is_st
     assert await keeper.confirm(claim.claim_id) == {claim.messages[0].id}
     assert store.calls.count("extend") == 1
     store.advance(LEASE)  # lapsed, and taken over meanwhile
-    await store.claim_orphans(1, LEASE, max_attempts=10)
+    await store.claim(model.Ask(1, LEASE, 10))
     assert await keeper.confirm(claim.claim_id) == frozenset()
 
 
@@ -95,7 +95,7 @@ async def test_confirm_raises_when_the_database_cannot_say() -> None:
     store = MemoryStore()
     store.add()
     keeper = leases.Keeper(store, LEASE, lambda: clock(store))
-    claim = await store.claim(10, LEASE)
+    claim = await store.claim(model.Ask(10, LEASE, 10))
     keeper.hold(claim, clock(store))
     store.advance(LEASE * 0.6)
     store.fail_next["extend"] = 1
@@ -174,7 +174,7 @@ async def test_a_claim_settled_in_parts_stays_held_and_renewed_for_the_part_left
     for _ in range(4):
         store.add()
     keeper = leases.Keeper(store, LEASE, lambda: clock(store))
-    claim = await store.claim(10, LEASE)
+    claim = await store.claim(model.Ask(10, LEASE, 10))
     keeper.hold(claim, clock(store))
     first, rest = frozenset({1, 2}), frozenset({3, 4})
     keeper.drop(claim.claim_id, first)  # one chain's part settled (docs/decisions/0009)

@@ -10,7 +10,7 @@ from uuid import uuid4
 
 import pytest
 
-from relay.core import errors, loop, model
+from relay.core import errors, loop, model, waking
 from tests.support.fakes import MemoryStore, Script, ScriptedPublisher
 from tests.support.wait import until_async
 
@@ -131,10 +131,10 @@ async def test_row_whose_relays_keep_dying_is_buried_without_publishing() -> Non
     # counts an attempt, so a row that kills every relay still ends in `dead`, moved there unread.
     store, publisher = MemoryStore(), ScriptedPublisher()
     row = store.add()
-    await store.claim(10, lease=5.0)  # a relay claims it, then dies
+    await store.claim(model.Ask(10, 5.0, 10))  # a relay claims it, then dies
     for _ in range(2):
         store.advance(5.0)
-        await store.claim_orphans(1, lease=5.0, max_attempts=10)  # another claims it, and dies
+        await store.claim(model.Ask(1, 5.0, 10))  # another claims it, and dies
     store.advance(5.0)
     report = await relay_for(store, publisher, max_attempts=3).run_once()
     assert publisher.published == []
@@ -153,12 +153,16 @@ async def test_row_claimed_past_max_attempts_is_dead_lettered_without_publishing
     assert "claimed 8 times" in store.dead[0].detail
 
 
-async def test_orphans_are_published_one_at_a_time_after_the_batch() -> None:
+async def test_a_dead_relays_rows_go_first_and_one_lost_twice_goes_alone() -> None:
     store, publisher = MemoryStore(), ScriptedPublisher()
-    orphans = [store.add(routing_key=f"orphan.{i}") for i in range(3)]
-    await store.claim(10, lease=5.0)  # a relay took them and died
+    twice = store.add(routing_key="twice")
+    await store.claim(model.Ask(1, 5.0, 10))  # a relay took it and died
     store.advance(5.0)
-    fresh = store.add(routing_key="fresh")
+    await store.claim(model.Ask(1, 6.0, 10))  # another took it again, and died too
+    once = [store.add(routing_key=f"once.{i}") for i in range(2)]
+    await store.claim(model.Ask(10, 5.0, 10))  # a third took these and died
+    store.advance(6.0)
+    store.add(routing_key="fresh")
     batches: list[list[str]] = []
     real_publish = publisher.publish
 
@@ -169,10 +173,12 @@ async def test_orphans_are_published_one_at_a_time_after_the_batch() -> None:
         return await real_publish(messages, abort, still_held)
 
     publisher.publish = recording  # type: ignore[method-assign]
-    report = await relay_for(store, publisher).run_once()
-    assert batches == [["fresh"], ["orphan.0"], ["orphan.1"], ["orphan.2"]]
+    report = await relay_for(store, publisher).run_until_empty()
+    # Expired leases first, in the order they ran out (`twice` ran out last and goes alone: a
+    # row that kills its relay takes no other down), then what is due.
+    assert batches == [["once.0", "once.1"], ["twice"], ["fresh"]]
     assert report.settled.archived == 4
-    assert {s.row.message_id for s in store.archive} == {r.message_id for r in [*orphans, fresh]}
+    assert {s.row.message_id for s in store.archive} >= {r.message_id for r in [*once, twice]}
 
 
 async def test_unexpected_publish_error_counts_an_attempt() -> None:
@@ -410,6 +416,10 @@ async def test_run_polls_when_no_notification_comes() -> None:
     await asyncio.wait_for(task, 5)
 
 
+def waker(bell: FakeDoorbell) -> waking.Waker:
+    return waking.Waker(asyncio.Event(), bell, 3600.0)
+
+
 class FakeDoorbell:
     """Held once the test grants it; arm and disarm are noted in the store's calls, in order."""
 
@@ -453,7 +463,7 @@ async def test_a_relay_with_nothing_to_do_arms_the_doorbell_and_looks_once_more_
     doorbell was held: the relay must look again then, not sleep until its poll."""
     store, publisher = MemoryStore(), ScriptedPublisher()
     bell = FakeDoorbell(store.calls)
-    relay = loop.Relay(store, publisher, loop.Options(poll_interval=3600.0), doorbell=bell)
+    relay = loop.Relay(store, publisher, loop.Options(poll_interval=3600.0), waker=waker(bell))
     stop = asyncio.Event()
     task = asyncio.create_task(relay.run(stop))
     await _until(lambda: "arm" in store.calls)
@@ -463,12 +473,12 @@ async def test_a_relay_with_nothing_to_do_arms_the_doorbell_and_looks_once_more_
     store.add()  # committed by a producer that did not ring
     bell.granted.set()
     await _until(lambda: len(store.archive) == 1)
-    claims = store.calls.count("claim") + store.calls.count("settle_then_claim")
+    claims = store.calls.count("claim") + store.calls.count("settle")
     for _ in range(20):
         await asyncio.sleep(0)
     # Held now: it sleeps until woken (or its poll), without arming again.
     assert store.calls.count("arm") == 1
-    assert store.calls.count("claim") + store.calls.count("settle_then_claim") == claims
+    assert store.calls.count("claim") + store.calls.count("settle") == claims
     stop.set()
     await asyncio.wait_for(task, 5)
     assert store.calls[-1] == "disarm"  # a stopped relay lets go
@@ -484,17 +494,17 @@ async def test_a_doorbell_taken_during_a_look_makes_the_relay_look_once_more() -
     claim = store.claim
     looks = 0
 
-    async def claim_then_grant(limit: int, lease: float) -> model.Claim:
+    async def claim_then_grant(ask: model.Ask) -> model.Claim:
         nonlocal looks
         looks += 1
-        found = await claim(limit, lease)
+        found = await claim(ask)
         if looks == 2:  # the look woken by the NOTIFY
             store.add()  # P commits after that look's snapshot...
             bell.grant_now()  # ...and the arm it waited for is granted
         return found
 
     store.claim = claim_then_grant  # type: ignore[method-assign]
-    relay = loop.Relay(store, publisher, loop.Options(poll_interval=3600.0), doorbell=bell)
+    relay = loop.Relay(store, publisher, loop.Options(poll_interval=3600.0), waker=waker(bell))
     stop = asyncio.Event()
     task = asyncio.create_task(relay.run(stop))
     await _until(lambda: "arm" in store.calls)
@@ -510,7 +520,7 @@ async def test_a_relay_whose_doorbell_went_with_its_session_arms_it_again() -> N
     store, publisher = MemoryStore(), ScriptedPublisher()
     bell = FakeDoorbell(store.calls)
     bell.granted.set()
-    relay = loop.Relay(store, publisher, loop.Options(poll_interval=3600.0), doorbell=bell)
+    relay = loop.Relay(store, publisher, loop.Options(poll_interval=3600.0), waker=waker(bell))
     stop = asyncio.Event()
     task = asyncio.create_task(relay.run(stop))
     await asyncio.wait_for(bell.armed.wait(), 5)
@@ -533,7 +543,7 @@ async def test_a_relay_working_back_to_back_lets_go_of_the_doorbell() -> None:
     bell = FakeDoorbell(store.calls)
     bell.granted.set()
     relay = loop.Relay(
-        store, publisher, loop.Options(batch_size=2, poll_interval=3600.0), doorbell=bell
+        store, publisher, loop.Options(batch_size=2, poll_interval=3600.0), waker=waker(bell)
     )
     stop = asyncio.Event()
     task = asyncio.create_task(relay.run(stop))

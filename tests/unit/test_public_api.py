@@ -28,7 +28,6 @@ SURFACE = {
         "DeadMessage",
         "DeadRow",
         "KeyPolicy",
-        "LaneState",
     ],
     "relay.config": ["PipelineSettings", "Settings", "load", "load_pipeline"],
     "relay.consumer": ["Delivered", "Inbox", "Problem", "SequenceChecker"],

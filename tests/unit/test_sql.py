@@ -18,7 +18,7 @@ def test_every_query_is_loaded_and_bound_to_the_schema() -> None:
         assert "{schema}" not in text
         assert "{new_channel}" not in text
         assert not text.rstrip().endswith(";")
-    assert '"my_outbox".claim_batch(' in queries.claim_batch
+    assert '"my_outbox".claim(' in queries.claim
     assert queries.listen == 'LISTEN "my_outbox_new"'
 
 

@@ -72,7 +72,7 @@ def test_help_and_completion_load_no_driver_no_pydantic_no_rich() -> None:
     )
     report = json.loads(ran.stdout)
     said = report.pop("said")
-    for command in ("", "run", "dead list", "keys policy set", "pipeline export", "lane off"):
+    for command in ("", "run", "dead list", "keys policy set", "pipeline export", "keys forget"):
         code, text = said[command]
         assert code == 0, command
         assert text.startswith(f"Usage: outbox-relay {command}".rstrip()), command

@@ -1,5 +1,5 @@
--- What operators run (relay/postgres/admin.py: the Admin API behind `dead`, `archive`, `keys`
--- and `lane`), as the operator role.
+-- What operators run (relay/postgres/admin.py: the Admin API behind `dead`, `archive` and
+-- `keys`), as the operator role; the relay's pruner runs archive_prune_batch too.
 -- `{schema}` is replaced by the quoted, validated schema name and `{new_channel}` by the quoted
 -- NOTIFY channel; nothing else is ever spliced into these texts.
 
@@ -13,35 +13,10 @@ ORDER BY b.blocked_at, b.ordering_key;
 -- name: release_key
 SELECT {schema}.release_key(%(key)s, %(replay)s);
 
--- name: set_fast_lane
--- Turn the ready lane on or off for producers (migration 0018; the schema owner's).
-SELECT fast_lane, fast_lane_off FROM {schema}.set_fast_lane(%(on)s);
-
--- name: fast_lane_state
--- The lane's switch, how many of its rows still wait, and the database's clock.
-SELECT s.fast_lane, s.fast_lane_off,
-       (SELECT count(*) FROM {schema}.waiting w WHERE w.lane = 'ready') AS waiting,
-       now() AS checked_at
-FROM {schema}.settings s;
-
--- name: transactions_since
--- Other sessions on this database with a transaction open since before %(since)s (autovacuum's
--- aside: it writes no message), plus every prepared transaction (it may have begun before, and
--- commits whenever someone says); and the sessions this role cannot see into: another role's
--- without pg_read_all_stats (PostgreSQL then shows no backend_type, state or xact_start), or
--- one with track_activities off (state 'disabled'). The lock holders of migrate, the pruner and
--- the pipeline (locks.sql) sit in a transaction for a whole run, and an idle relay's doorbell
--- (migration 0023) for as long as it sleeps, but with no xid and no snapshot they have written
--- nothing and their next statement would see the switch: not waited for.
-SELECT count(*) FILTER (WHERE a.backend_type <> 'autovacuum worker' AND a.xact_start < %(since)s
-                          AND NOT ((a.application_name LIKE 'outbox-relay %% lock'
-                                    OR a.application_name = 'outbox-relay doorbell')
-                                   AND a.backend_xid IS NULL AND a.backend_xmin IS NULL))
-           + (SELECT count(*) FROM pg_prepared_xacts p WHERE p.database = current_database())
-           AS open_before,
-       count(*) FILTER (WHERE a.backend_type IS NULL OR a.state = 'disabled') AS unseen
-FROM pg_stat_activity a
-WHERE a.datname = current_database() AND a.pid <> pg_backend_pid();
+-- name: forget_idle_keys
+-- One page of a pass that forgets keys idle for %(idle)s seconds (migration 0014).
+SELECT forgotten, last_key
+FROM {schema}.forget_idle_keys(make_interval(secs => %(idle)s), %(after)s, %(limit)s);
 
 -- name: key_policies
 SELECT prefix, on_dead, concurrency, extract(epoch FROM min_interval)::float8
@@ -144,17 +119,10 @@ WITH gone AS (
 SELECT max(id), count(*) FROM gone;
 
 -- name: archive_prune_batch
--- Delete the archive's oldest rows, by id (ids grow with published_at), if older than the cutoff.
--- Returns how many were deleted and how many of the batch were too young (then pruning is done).
-WITH oldest AS (
-    SELECT id, published_at FROM {schema}.archive ORDER BY id LIMIT %(batch)s
-), gone AS (
-    DELETE FROM {schema}.archive AS a
-    USING oldest AS o
-    WHERE a.id = o.id AND o.published_at < %(cutoff)s
-    RETURNING a.id
-)
-SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM oldest WHERE published_at >= %(cutoff)s);
+-- Delete the archive's oldest rows, by id (ids grow with published_at), if older than the cutoff
+-- (migration 0026: the relay role deletes through this function alone). Returns how many were
+-- deleted and how many of the batch were too young (then pruning is done).
+SELECT gone, younger FROM {schema}.prune_archive(%(cutoff)s, %(batch)s);
 
 -- name: archive_stats
 SELECT c.reltuples::bigint,
