@@ -162,11 +162,9 @@ async def components(
     try:
         await startup("RabbitMQ", publisher.connect, settings.startup_timeout, stop, say)
         say("starting the relay loop")
-        wake, recheck = asyncio.Event(), asyncio.Event()
+        wake = asyncio.Event()
         listen_url = _listen_url(settings)
-        listener = (
-            None if listen_url is None else Listener(listen_url, settings.db_schema, wake, recheck)
-        )
+        listener = None if listen_url is None else Listener(listen_url, settings.db_schema, wake)
         # Only a relay that hears NOTIFY arms the doorbell (docs/decisions/0008).
         doorbell = (
             Doorbell(listen_url, settings.db_schema)
@@ -188,16 +186,9 @@ async def components(
             await upkeep.rescue(store, counters)
 
         # The listener and the doorbell reconnect by themselves; chores only so that a bug
-        # cannot end them silently. The rescue runs at once, at each recheck a producer's
-        # commit asks for, and every RESCUE_INTERVAL.
+        # cannot end them silently.
         supervised = [
-            chores.Chore(
-                "rescue",
-                rescue,
-                upkeep.RESCUE_INTERVAL,
-                wake=recheck,
-                on_error=counters.chore_failed,
-            ),
+            chores.Chore("rescue", rescue, upkeep.RESCUE_INTERVAL, on_error=counters.chore_failed),
             relay.heartbeat,
         ]
         if listener is not None:

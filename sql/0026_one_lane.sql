@@ -5,7 +5,7 @@
 -- The claim starts where the relay's last one ended (its two cursors, in due rows and leases),
 -- less a second for commits that became visible late, so a pinned vacuum horizon adds only the
 -- dead rows of that second to each claim; a rescue beside the loop (`behind`, relay.sql) finds the
--- rare row left behind every cursor. Expired leases come back through the same claim, first, so a
+-- rare row left behind every cursor. Keyed rows a race left gated are rechecked in every claim. Expired leases come back through the same claim, first, so a
 -- dead relay's rows wait for their lease and nothing else; one claimed more than once before is
 -- claimed alone (a row that kills its relay takes only itself down), one out of attempts is moved
 -- to dead unread.
@@ -283,8 +283,8 @@ BEGIN
         v_from_id := 0;
     END IF;
     IF r.more THEN
-        r.due_at := coalesce(p.due_at, '-infinity');  -- this claim did not look: no further
-        r.due_id := coalesce(p.due_id, 0);
+        r.due_at := p.due_at;  -- this claim did not look: no further
+        r.due_id := p.due_id;
     ELSE
         SELECT array_agg(d.id ORDER BY d.available_at, d.id),
                array_agg(d.available_at ORDER BY d.available_at, d.id),
@@ -318,15 +318,14 @@ BEGIN
         END IF;
     END IF;
 
-    IF cardinality(v_take) > 0 THEN
-        UPDATE messages m
-        SET attempts = m.attempts + 1,
-            claim_id = p.claim_id,
-            claimed_by = p.claimed_by,
-            claimed_at = v_now,
-            available_at = v_now + make_interval(secs => p.lease)
-        WHERE m.id = ANY(v_take);
-    END IF;
+    -- Run even with nothing taken: its statement trigger releases what rechecks are queued.
+    UPDATE messages m
+    SET attempts = m.attempts + 1,
+        claim_id = p.claim_id,
+        claimed_by = p.claimed_by,
+        claimed_at = v_now,
+        available_at = v_now + make_interval(secs => p.lease)
+    WHERE m.id = ANY(v_take);
     r.ids := v_take;
     r.sizes := v_sizes;
     RETURN r;
@@ -525,7 +524,7 @@ $$;
 
 -- Rechecks queued by producers' commits (and by settles that found a successor held): release
 -- the row once its predecessor is gone. Never waits: a predecessor or a row another session holds
--- keeps its check for the next look.
+-- keeps its check for the next look. Every claim runs it (_rechecks); relays of 0.2 call it.
 CREATE OR REPLACE FUNCTION release_stranded(p_limit integer, OUT looked integer,
                                             OUT released integer)
 LANGUAGE plpgsql SECURITY DEFINER
@@ -581,6 +580,25 @@ BEGIN
     END IF;
 END;
 $$;
+
+-- The rechecks run in every claim, by relays of every version (0.1's and 0.2's claims are their
+-- own UPDATEs; `_claim` runs its UPDATE even when it took nothing): a keyed row a race left
+-- gated goes at the next claim of any relay, with no chore and no relay of this release needed.
+CREATE FUNCTION _rechecks() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path FROM CURRENT
+SET jit = off
+AS $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM key_checks) THEN
+        PERFORM release_stranded(100);
+    END IF;
+    RETURN NULL;
+END;
+$$;
+
+CREATE TRIGGER messages_rechecks AFTER UPDATE OF claim_id ON messages
+FOR EACH STATEMENT EXECUTE FUNCTION _rechecks();
 
 -- Relays of 0.2 bury exhausted orphans with this; relays now do it in their claim.
 CREATE OR REPLACE FUNCTION bury_exhausted(p_max_attempts integer, p_limit integer)
@@ -660,9 +678,10 @@ BEGIN
     END IF;
     IF EXISTS (SELECT 1 FROM messages m
                WHERE m.ordering_key = NEW.ordering_key AND m.seq = NEW.seq - v_concurrency) THEN
-        -- Held by a session that may be settling it: a relay looks again (never this commit).
+        -- Held by a session that may be settling it: the next claim looks again (never this
+        -- commit); wake a relay that sleeps, so that there is a next claim.
         INSERT INTO key_checks (ordering_key, seq) VALUES (NEW.ordering_key, NEW.seq);
-        PERFORM pg_notify(current_schema() || '_new', 'recheck');
+        PERFORM _ring();
     ELSIF NOT EXISTS (SELECT 1 FROM blocked_keys b WHERE b.ordering_key = NEW.ordering_key) THEN
         PERFORM _ungate(ARRAY[NEW.id], clock_timestamp());  -- not the transaction's start
         PERFORM _ring();

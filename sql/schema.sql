@@ -311,8 +311,8 @@ BEGIN
         v_from_id := 0;
     END IF;
     IF r.more THEN
-        r.due_at := coalesce(p.due_at, '-infinity');  -- this claim did not look: no further
-        r.due_id := coalesce(p.due_id, 0);
+        r.due_at := p.due_at;  -- this claim did not look: no further
+        r.due_id := p.due_id;
     ELSE
         SELECT array_agg(d.id ORDER BY d.available_at, d.id),
                array_agg(d.available_at ORDER BY d.available_at, d.id),
@@ -346,15 +346,14 @@ BEGIN
         END IF;
     END IF;
 
-    IF cardinality(v_take) > 0 THEN
-        UPDATE messages m
-        SET attempts = m.attempts + 1,
-            claim_id = p.claim_id,
-            claimed_by = p.claimed_by,
-            claimed_at = v_now,
-            available_at = v_now + make_interval(secs => p.lease)
-        WHERE m.id = ANY(v_take);
-    END IF;
+    -- Run even with nothing taken: its statement trigger releases what rechecks are queued.
+    UPDATE messages m
+    SET attempts = m.attempts + 1,
+        claim_id = p.claim_id,
+        claimed_by = p.claimed_by,
+        claimed_at = v_now,
+        available_at = v_now + make_interval(secs => p.lease)
+    WHERE m.id = ANY(v_take);
     r.ids := v_take;
     r.sizes := v_sizes;
     RETURN r;
@@ -444,9 +443,10 @@ BEGIN
     END IF;
     IF EXISTS (SELECT 1 FROM messages m
                WHERE m.ordering_key = NEW.ordering_key AND m.seq = NEW.seq - v_concurrency) THEN
-        -- Held by a session that may be settling it: a relay looks again (never this commit).
+        -- Held by a session that may be settling it: the next claim looks again (never this
+        -- commit); wake a relay that sleeps, so that there is a next claim.
         INSERT INTO key_checks (ordering_key, seq) VALUES (NEW.ordering_key, NEW.seq);
-        PERFORM pg_notify(current_schema() || '_new', 'recheck');
+        PERFORM _ring();
     ELSIF NOT EXISTS (SELECT 1 FROM blocked_keys b WHERE b.ordering_key = NEW.ordering_key) THEN
         PERFORM _ungate(ARRAY[NEW.id], clock_timestamp());  -- not the transaction's start
         PERFORM _ring();
@@ -566,6 +566,21 @@ BEGIN
                   HINT = 'Ordering keys are released on what is committed when each statement '
                          'runs; an older snapshot could leave a message gated for good.';
     END IF;
+END;
+$$;
+
+-- Name: _rechecks(); Type: FUNCTION; Schema: outbox; Owner: -
+
+CREATE FUNCTION outbox._rechecks() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'outbox', 'pg_temp'
+    SET jit TO 'off'
+    AS $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM key_checks) THEN
+        PERFORM release_stranded(100);
+    END IF;
+    RETURN NULL;
 END;
 $$;
 
@@ -1621,3 +1636,7 @@ CREATE TRIGGER dead_lettered AFTER INSERT ON outbox.dead FOR EACH ROW EXECUTE FU
 -- Name: messages messages_key_gate; Type: TRIGGER; Schema: outbox; Owner: -
 
 CREATE CONSTRAINT TRIGGER messages_key_gate AFTER INSERT ON outbox.messages DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (new.gated) EXECUTE FUNCTION outbox._key_gate_at_commit();
+
+-- Name: messages messages_rechecks; Type: TRIGGER; Schema: outbox; Owner: -
+
+CREATE TRIGGER messages_rechecks AFTER UPDATE OF claim_id ON outbox.messages FOR EACH STATEMENT EXECUTE FUNCTION outbox._rechecks();

@@ -25,8 +25,8 @@ class Relay:
     Everything it holds is in `leases` (a lease keeper), renewed every third of a lease while
     `run()` or `run_until_empty()` is going; tests that call `run_once()` directly renew by
     calling `leases.run_once()`. A claim is published only while its hold is trusted. What is
-    not the cycle — the rescue of rows left behind, rechecks of keyed rows, the doorbell — runs
-    beside it, as chores of the composition root's."""
+    not the cycle — the rescue of rows left behind, the doorbell — runs beside it, as chores of
+    the composition root's."""
 
     def __init__(
         self,

@@ -13,21 +13,16 @@ from relay.postgres.pg import translate_errors
 
 log = logging.getLogger("relay.listener")  # the name log lines carry: as before the folders
 
-#: The payload of the NOTIFY a producer's commit sends after queueing a key recheck (0012).
-RECHECK = "recheck"
-
 
 class Listener:
     """Sets `wake` on every NOTIFY from enqueue, and once after each (re)connect, because
-    notifications sent while it was away are gone: polling is the guarantee, NOTIFY only a hint.
-    Sets `recheck` too when the payload asks for it (and after each connect)."""
+    notifications sent while it was away are gone: polling is the guarantee, NOTIFY only a hint."""
 
     def __init__(
         self,
         conninfo: str,
         schema: str,
         wake: asyncio.Event,
-        recheck: asyncio.Event | None = None,
         quick_loss: float = retry.QUICK_LOSS,
     ) -> None:
         self._conninfo = conninfo
@@ -35,9 +30,6 @@ class Listener:
         self._schema = schema
         self._q = sql.load(schema)
         self.wake = wake
-        #: Set (with `wake`) by a NOTIFY whose payload is `recheck`: a keyed row's commit raced
-        #: its predecessor's settle, and the relays should look at key_checks now.
-        self.recheck = recheck or asyncio.Event()
         self.connected = asyncio.Event()
         self.connects = 0
         self.notifications = 0
@@ -68,14 +60,11 @@ class Listener:
                 await conn.execute(self._q.listen)
             self.connects += 1
             self.connected.set()
-            self.wake.set()
-            self.recheck.set()  # notifications sent while away are gone
+            self.wake.set()  # notifications sent while away are gone
             try:
                 with translate_errors(self._schema):
-                    async for notify in conn.notifies():
+                    async for _ in conn.notifies():
                         self.notifications += 1
-                        if notify.payload == RECHECK:
-                            self.recheck.set()
                         self.wake.set()
             except errors.TransientError as exc:
                 raise retry.Lost(str(exc)) from exc

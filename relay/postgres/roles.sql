@@ -27,8 +27,8 @@ GRANT EXECUTE ON FUNCTION
     {schema}.replay_skip(text, bigint, bigint, text, text)
 TO {producer};
 
--- Relays: claim, fetch what they claimed, renew, settle, recheck keyed rows, prune the archive
--- by its retention, arm the doorbell (functions that run as the owner, migration 0026), and read
+-- Relays: claim (which rechecks keyed rows a race left gated), fetch what they claimed, renew,
+-- settle, prune the archive by its retention, arm the doorbell (functions that run as the owner, migration 0026), and read
 -- what the gauges count. Nothing else: no UPDATE, DELETE or TRUNCATE on any table (those would
 -- let a relay login LOCK a table producers or other relays write to), and no function that leaves
 -- a lock a producer needs in the caller's transaction (keys are forgotten by operators).
@@ -44,7 +44,6 @@ GRANT EXECUTE ON FUNCTION
     {schema}.settle(uuid, bigint[], text[], text[], text[], float8[], bigint[], boolean,
                     {schema}.claim_request),
     {schema}.extend_leases(uuid, bigint[], float8),
-    {schema}.release_stranded(integer),
     {schema}.prune_archive(timestamptz, integer),
     {schema}.arm_doorbell(),
     {schema}.use_doorbell()

@@ -23,7 +23,6 @@ class Queries:
     extend_leases: LiteralString
     behind: LiteralString
     settle: LiteralString
-    release_stranded: LiteralString
     forget_idle_keys: LiteralString
     message_stats: LiteralString
     blocked_key_count: LiteralString

@@ -31,8 +31,6 @@ BATCH_MAX_BYTES = 64 * 1024 * 1024
 #: buffers is sent whole even to a relay that stopped reading, so its statement ends and holds
 #: no snapshot (a batch of 500 rows of 4 KiB is 2 MiB, past what a frozen reader's buffers take).
 FETCH_PAGE_BYTES = 256 * 1024
-#: Rows one recheck of keyed rows handles per transaction.
-CHUNK = 1000
 
 
 class Cursor(NamedTuple):
@@ -198,8 +196,8 @@ class PgStore(Readings):
 
     async def _claimed(self, claim_id: UUID, row: Any) -> model.Claim:
         """Move the cursors on as the claim says, and fetch what it claimed."""
-        self.due_from = Cursor(row.due_at, row.due_id)
-        self.orphans_from = Cursor(row.orphan_at, row.orphan_id)
+        self.due_from = None if row.due_at is None else Cursor(row.due_at, row.due_id)
+        self.orphans_from = None if row.orphan_at is None else Cursor(row.orphan_at, row.orphan_id)
         buried = tuple(
             (UUID(str(m)), int(n)) for m, n in zip(row.buried, row.buried_attempts, strict=True)
         )
@@ -229,18 +227,6 @@ class PgStore(Readings):
         async with self._connection() as conn:
             cur = await conn.execute(self._q.extend_leases, params)
             return frozenset(int(i) for (i,) in await cur.fetchall())
-
-    async def release_stranded(self) -> int:
-        """Release keyed rows whose producer committed while their predecessor was being settled
-        (or whose settle found them held), now that both are over; how many."""
-        released = 0
-        while True:
-            async with self._connection() as conn:
-                cur = await conn.execute(self._q.release_stranded, {"limit": CHUNK})
-                looked, n = await pg.one_row(cur)
-            released += int(n)
-            if looked < CHUNK:
-                return released
 
     async def rescue(self) -> int:
         """Move the cursors back to the oldest due row and expired lease left behind them, if

@@ -15,7 +15,7 @@ import psycopg
 import pytest
 
 import relay
-from relay.core import chores, loop, model
+from relay.core import loop, model
 from relay.postgres import admin
 from relay.postgres.store import PgStore
 from tests.support.fakes import ScriptedPublisher
@@ -47,11 +47,9 @@ async def pg_store(url: str) -> AsyncIterator[PgStore]:
 
 
 async def drain(url: str, script: Script = acked) -> list[tuple[str | None, int | None]]:
-    """Run a relay until nothing is due, its rechecks of keyed rows first (as its rescue chore
-    does at start); the (key, seq) of what it published, in order."""
+    """Run a relay until nothing is due; the (key, seq) of what it published, in order."""
     async with pg_store(url) as store:
         publisher = ScriptedPublisher(script)
-        await store.release_stranded()
         await loop.Relay(store, publisher, loop.Options(retry_delay=0.01)).run_until_empty()
     return [(m.ordering_key, m.seq) for m in publisher.published]
 
@@ -309,12 +307,6 @@ async def test_multi_key_producers_and_settling_relays_never_fail_a_producer(
             asyncio.ensure_future(loop.Relay(store, SharedLog(log), options).run(stop))
             for store in (one, two)
         ]
-        # Each relay's rescue, as the composition root runs it beside the loop (here on a short
-        # interval, where a relay wakes it at each producer's recheck NOTIFY).
-        rescues = [
-            asyncio.ensure_future(chores.Chore("rescue", store.release_stranded, 0.05).run())
-            for store in (one, two)
-        ]
         producers = [threading.Thread(target=produce, args=(n,)) for n in range(4)]
         for thread in producers:
             thread.start()
@@ -328,9 +320,6 @@ async def test_multi_key_producers_and_settling_relays_never_fail_a_producer(
             await until_async(drained, interval=0.05, message="the relays to drain what is left")
         finally:
             stop.set()
-            for rescue in rescues:
-                rescue.cancel()
-            await asyncio.gather(*rescues, return_exceptions=True)
             await asyncio.gather(*relays)
     assert failures == [], failures[0]
     assert len(committed) == 160

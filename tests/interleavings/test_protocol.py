@@ -1,8 +1,10 @@
 """The relay protocol under interleavings Hypothesis chooses: relays' claims, claims ahead,
 publishes (acked, nacked, returned, lost), settles and claims (also held open, a claim then
-committing or rolling back), heartbeats, straggler sweeps, lease expiry, graceful stops,
-crashes and restarts, broker outages; producers committing and rolling back, keyed, at READ
-COMMITTED and REPEATABLE READ; operators releasing and replaying keys and changing the policy.
+committing or rolling back), heartbeats, rescues, lease expiry, graceful stops, crashes,
+freezes (SIGSTOP: what a relay holds stays held) and restarts, broker outages, a relay of the
+previous release beside the others; producers committing and rolling back, keyed, at READ
+COMMITTED and REPEATABLE READ, some passing a message_id another transaction used; operators
+releasing and replaying keys and changing the policy.
 After every step: no row is held by two live claims, and every send so far was by the claim
 holding the row, from a committed transaction, with no lower attempt after a higher one and
 nothing of a key after its successor. Once the steps stop: everything committed ends published or
@@ -28,7 +30,6 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from relay.postgres import window
 from tests.interleavings import ledger, world
 
 EXAMPLES = int(os.environ.get("OUTBOX_INTERLEAVINGS", "60"))
@@ -50,7 +51,7 @@ class Protocol(RuleBasedStateMachine):
         "steps": 0,
         "sends": 0,
         "committed": 0,
-        "swept": 0,
+        "rescued": 0,
     }
 
     def __init__(self) -> None:
@@ -59,7 +60,13 @@ class Protocol(RuleBasedStateMachine):
         self.world = world.World(self.url)
         self.crashes = 0
         self.world.start_relay()
-        self.world.start_relay(chains=2)  # splits a batch of both keys (docs/decisions/0009)
+        self.world.start_relay()
+
+    @initialize(old=st.booleans())
+    def previous_release(self, old: bool) -> None:
+        """Sometimes a relay of the previous release runs beside them (a rolling upgrade)."""
+        if old:
+            self.world.start_relay(legacy_release=True)
 
     @initialize(on_dead=st.sampled_from(["block", "skip"]), concurrency=st.integers(1, 2))
     def key_policy(self, on_dead: str, concurrency: int) -> None:
@@ -127,9 +134,9 @@ class Protocol(RuleBasedStateMachine):
     )
     @rule(data=st.data())
     def stall_mid_claim(self, data: st.DataObject) -> None:
-        """A relay works on to its next claim; fresh unkeyed messages (the ready lane's) commit;
-        its claim of them is held open: a relay stalled mid-claim, which the others must
-        neither wait for nor lose rows to."""
+        """A relay works on to its next claim; fresh unkeyed messages commit; its claim of them
+        is held open: a relay stalled mid-claim, which the others must neither wait for nor lose
+        rows to."""
         call = self.world.work_until(data.draw(st.sampled_from(self.world.alive())), "claim")
         if call is not None:
             self.world.commit_now(None, None)
@@ -139,8 +146,9 @@ class Protocol(RuleBasedStateMachine):
     @rule(data=st.data())
     def claim_past_a_held_claim(self, data: st.DataObject) -> None:
         """Another relay claims again and again while a claim stays held, time passing between:
-        what relays cycling many times a second do, which single steps rarely reach. Its window
-        verifies, stays on the held rows, and after STRAGGLER_WAIT closes over them."""
+        what relays cycling many times a second do, which single steps rarely reach. Its cursor
+        moves past the held rows, further than its look-back: should the claim roll back, they
+        are the rescue's."""
         held = data.draw(st.sampled_from(self.world.held_claims))
         other = data.draw(
             st.sampled_from([r for r in self.world.alive() if r is not held.call.actor])
@@ -150,7 +158,7 @@ class Protocol(RuleBasedStateMachine):
             if claim is None or held not in self.world.held_claims:
                 break
             self.world.grant(claim)
-            self.world.advance(window.STRAGGLER_WAIT * 0.75)
+            self.world.advance(1.5)
 
     @precondition(lambda self: self.world.held_claims)
     @rule(data=st.data(), end=st.sampled_from(["commit", "rollback", "lost"]))
@@ -167,18 +175,18 @@ class Protocol(RuleBasedStateMachine):
 
     @precondition(lambda self: self.world.alive())
     @rule(data=st.data())
-    def sweep(self, data: st.DataObject) -> None:
-        """A relay's straggler chore runs — often once its windows' waits have long run out, so
-        that what they gave up on is the sweep's to move, under whatever is in flight."""
-        if data.draw(st.booleans()):
-            self.world.advance(window.STRAGGLER_WAIT + window.SWEEP_AFTER)
-        self.tally["swept"] += self.world.sweep(data.draw(st.sampled_from(self.world.alive())))
+    def rescue(self, data: st.DataObject) -> None:
+        """A relay's rescue chore runs (on its interval), under whatever is in flight."""
+        self.tally["rescued"] += self.world.rescue(data.draw(st.sampled_from(self.world.alive())))
 
-    @precondition(lambda self: self.world.alive())
+    @precondition(lambda self: len(self.world.alive()) > 1 and self.crashes < 2)
     @rule(data=st.data())
-    def look_for_all_orphans(self, data: st.DataObject) -> None:
-        """A relay's chore looks for orphans among every lease that ran out."""
-        self.world.look_for_all_orphans(data.draw(st.sampled_from(self.world.alive())))
+    def freeze(self, data: st.DataObject) -> None:
+        """SIGSTOP: a relay stops where it is, often with a claim held open; the others go on
+        without it, and its rows come back when their leases run out."""
+        self.crashes += 1
+        frozen = [h.call.actor for h in self.world.held_claims if h.call.actor.alive]
+        self.world.freeze(data.draw(st.sampled_from(frozen or self.world.alive())))
 
     @rule(seconds=st.sampled_from([world.LEASE * 0.35, world.LEASE * 0.6, world.LEASE * 1.1]))
     def time_passes(self, seconds: float) -> None:
@@ -197,10 +205,7 @@ class Protocol(RuleBasedStateMachine):
         if restart or not self.world.alive():
             # Sometimes with batches of one: every batch full, so each claims the next ahead;
             # sometimes splitting keyed batches into chains.
-            self.world.start_relay(
-                batch_size=data.draw(st.sampled_from([None, 1])),
-                chains=data.draw(st.sampled_from([1, 2])),
-            )
+            self.world.start_relay(batch_size=data.draw(st.sampled_from([None, 1])))
 
     @precondition(lambda self: any(not r.stopping for r in self.world.alive()))
     @rule(data=st.data(), restart=st.booleans())
@@ -236,6 +241,17 @@ class Protocol(RuleBasedStateMachine):
         if key is not None and (key in others or "*" in others):
             key = None
         self.world.enqueue(producer, key)
+
+    @precondition(lambda self: any(p.open for p in self.world.producers))
+    @rule(data=st.data())
+    def enqueue_an_id_again(self, data: st.DataObject) -> None:
+        """An open transaction passes a message_id that a committed message still waiting
+        already has (perhaps committed after this transaction's snapshot): it is refused, and
+        nothing is published twice."""
+        waiting = self.world.waiting_ids()
+        if waiting:
+            producer = data.draw(st.sampled_from([p for p in self.world.producers if p.open]))
+            self.world.enqueue(producer, None, data.draw(st.sampled_from(waiting)))
 
     @precondition(lambda self: any(not p.open for p in self.world.producers))
     @rule(keys=st.lists(KEYED, min_size=1, max_size=4))
@@ -313,7 +329,7 @@ def test_the_protocol_holds_under_every_interleaving_tried(database_url: str) ->
     print(
         f"\ninterleavings: {t['runs']} runs, {t['steps']} steps, "
         f"{t['committed']} messages committed, {t['sends']} sends, "
-        f"{t['swept']} rows moved by straggler sweeps"
+        f"{t['rescued']} rescues that found something"
     )
 
 

@@ -7,9 +7,12 @@ database call runs for real and may wait on a lock (seen in pg_stat_activity): i
 flight while other steps go on. A relay's settle or claim can also be *held*: run in a transaction
 left open, so that producers, operators and the other relays act while it is in progress (a held
 claim then commits, rolls back as when its connection breaks, or commits with the relay told it
-failed, as when the connection breaks just after). Time is virtual: advancing it
-moves the relays' clocks forward and every stored time back. Each send is judged the moment it
-happens (tests/interleavings/ledger.py).
+failed, as when the connection breaks just after). A relay can freeze (SIGSTOP: it takes no step
+again, and a transaction it holds stays open) and a relay of the previous release can run beside
+the others (tests/interleavings/legacy.py: its own statements). Its rescue chore runs when the
+test says. Time is virtual: advancing it moves the relays' clocks forward and every stored time
+(and each relay's cursors) back. Each send is judged the moment it happens
+(tests/interleavings/ledger.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import contextlib
 import dataclasses
 import itertools
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from typing import Any, LiteralString, TypeVar
 from uuid import UUID
@@ -31,6 +35,7 @@ from relay.core import errors, loop, model
 from relay.postgres import rows
 from relay.postgres import store as pgstore
 from relay.postgres.sql import load
+from tests.interleavings import legacy
 from tests.interleavings.ledger import Ledger, RowNow, Send, outcome
 
 T = TypeVar("T")
@@ -39,7 +44,6 @@ T = TypeVar("T")
 LEASE = 100.0
 #: A held claim's own rows, moved back by the seconds the world advanced while it was held.
 SHIFT_HELD: tuple[LiteralString, ...] = (
-    "UPDATE outbox.claims SET until = until - make_interval(secs => %s) WHERE claimed_at = now()",
     "UPDATE outbox.messages SET available_at = available_at - make_interval(secs => %s)"
     " WHERE claim_id IS NOT NULL AND claimed_at = now()",
 )
@@ -56,10 +60,9 @@ KEYS = ("a", "b")  # the keys the state machine draws from (tests/interleavings/
 #: Every session of the world fails a lock wait after this rather than hang the test, and finds
 #: deadlocks quickly.
 SESSION = "-c lock_timeout=30s -c deadlock_timeout=100ms"
-TABLES = (
-    *("messages", "archive", "dead", "keys", "key_releases", "blocked_keys", "key_checks"),
-    *("ready", "claims", "done"),
-)
+#: The relay's own session set-up (relay.sql's relay_session), with the world's lock timeout.
+SESSION_SETUP = {"lock_timeout": "30000"}
+TABLES = ("messages", "archive", "dead", "keys", "key_releases", "blocked_keys", "key_checks")
 
 
 @dataclasses.dataclass(eq=False)
@@ -74,8 +77,8 @@ class Call:
     still_held: Callable[[], bool] | None = None
     claim_id: UUID | None = None
     settlement: model.Settlement | None = None
-    #: A settle that claims the next batch in the same transaction (limit, lease).
-    then_claim: tuple[int, float] | None = None
+    #: A settle that claims the next batch in the same transaction.
+    then: model.Ask | None = None
 
     def __repr__(self) -> str:
         return f"<{self.actor.name} {self.method}>"
@@ -100,8 +103,8 @@ class HeldClaim:
 class Held:
     """A relay's settle running in a transaction left open. Its statement may itself still be
     waiting on a lock (`task` not done); it can be ended once it is done. A settle that claims
-    the next batch too (`then_claim`) runs on its relay's own store, in a transaction that ends
-    as `release` says (as HeldClaim's), once `ran`."""
+    the next batch too (`then`) runs on its relay's own store, in a transaction that ends as
+    `release` says (as HeldClaim's), once `ran`."""
 
     call: Call
     conn: psycopg.AsyncConnection[Any] | None
@@ -166,7 +169,7 @@ class _Pool:
 
     async def _open(self) -> psycopg.AsyncConnection[Any]:
         conn = await connect(self._url, self._name)
-        await conn.execute(load().relay_session)
+        await conn.execute(load().relay_session, SESSION_SETUP)
         self._all.append(conn)
         return conn
 
@@ -182,50 +185,33 @@ async def connect(url: str, name: str) -> psycopg.AsyncConnection[Any]:
 
 
 class GatedStore:
-    """ports.Store whose every call waits for the test's grant, then runs on PgStore."""
+    """ports.Store whose every call waits for the test's grant, then runs on `real` (PgStore, or
+    a relay of the previous release's statements)."""
 
-    def __init__(self, actor: RelayActor) -> None:
+    def __init__(self, actor: RelayActor, legacy_release: bool = False) -> None:
         self._actor = actor
         self.pool = _Pool(actor.world.url, actor.name)
         pool: Any = self.pool  # PgStore needs only .connection()
-        # The store's timers (the window's verify and straggler waits, the full pass) are as
-        # short as an example's real duration: they run on virtual time alone, which only the
-        # test moves, so that a run and its replay make the same decisions.
-        self.real = pgstore.PgStore(
-            pool, "outbox", actor.name, synchronous_commit=False, clock=actor.world.virtual_time
+        self.real: pgstore.PgStore = (
+            legacy.LegacyStore(pool, "outbox", actor.name)
+            if legacy_release
+            else pgstore.PgStore(pool, "outbox", actor.name, synchronous_commit=False)
         )
 
-    async def claim(self, limit: int, lease: float) -> model.Claim:
-        return await self._actor.gate("claim", lambda: self.real.claim(limit, lease))
-
-    async def claim_orphans(self, limit: int, lease: float, max_attempts: int) -> model.Claim:
-        run = lambda: self.real.claim_orphans(limit, lease, max_attempts)  # noqa: E731
-        return await self._actor.gate("claim_orphans", run)
-
-    async def release_orphans(self, lease: float) -> int:
-        return await self._actor.gate("release_orphans", lambda: self.real.release_orphans(lease))
-
-    async def bury_exhausted(self, max_attempts: int) -> list[tuple[UUID, int]]:
-        return await self._actor.gate("bury", lambda: self.real.bury_exhausted(max_attempts))
+    async def claim(self, ask: model.Ask) -> model.Claim:
+        return await self._actor.gate("claim", lambda: self.real.claim(ask))
 
     async def extend(self, claim_id: UUID, ids: Sequence[int], lease: float) -> frozenset[int]:
         run = lambda: self.real.extend(claim_id, ids, lease)  # noqa: E731
         return await self._actor.gate("extend", run)
 
-    async def settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:
-        run = lambda: self.real.settle(claim_id, settlement)  # noqa: E731
-        return await self._actor.gate("settle", run, claim_id=claim_id, settlement=settlement)
-
-    async def settle_then_claim(
-        self, claim_id: UUID, settlement: model.Settlement, limit: int, lease: float
+    async def settle(
+        self, claim_id: UUID, settlement: model.Settlement, then: model.Ask | None = None
     ) -> tuple[model.SettleCounts, model.Claim]:
-        run = lambda: self.real.settle_then_claim(claim_id, settlement, limit, lease)  # noqa: E731
+        run = lambda: self.real.settle(claim_id, settlement, then)  # noqa: E731
         return await self._actor.gate(
-            "settle", run, claim_id=claim_id, settlement=settlement, then_claim=(limit, lease)
+            "settle", run, claim_id=claim_id, settlement=settlement, then=then
         )
-
-    async def release_stranded(self) -> int:
-        return await self._actor.gate("release_stranded", self.real.release_stranded)
 
     async def stats(self) -> model.Stats:
         return await self.real.stats()
@@ -268,28 +254,21 @@ class RelayActor:
         *,
         auto: bool = False,
         batch_size: int | None = None,
-        chains: int = 1,
+        legacy_release: bool = False,
     ) -> None:
         self.world = world
         self.name = name
         self.auto = auto  # grant everything at once and acknowledge every publish (the drain)
         self.alive = True
+        self.frozen = False  # SIGSTOP: no step again, its open transactions stay open
         self.broker_down = False
         self.pending: list[Call] = []
         self.claims: set[UUID] = set()
-        self.store = GatedStore(self)
+        self.store = GatedStore(self, legacy_release)
         options = dataclasses.replace(OPTIONS, batch_size=100) if auto else OPTIONS
         if batch_size is not None:
             options = dataclasses.replace(options, batch_size=batch_size)
-        # With chains, a batch of two keyed rows (the world has two keys) is split in two parts,
-        # each settled on its own publisher's confirms (docs/decisions/0009).
-        self.relay = loop.Relay(
-            self.store,
-            GatedBroker(self),
-            dataclasses.replace(options, min_chain=1),
-            chain_publishers=[GatedBroker(self) for _ in range(chains - 1)],
-            clock=world.clock,
-        )
+        self.relay = loop.Relay(self.store, GatedBroker(self), options, clock=world.clock)
         self.beating: asyncio.Task[Any] | None = None
         self.cycles = 0  # run_once calls completed
         self.stopping = False  # told to stop: it ends the cycle it is in, then gives back
@@ -417,17 +396,18 @@ class World:
     # -- relays ----------------------------------------------------------------------------
 
     def start_relay(
-        self, *, auto: bool = False, batch_size: int | None = None, chains: int = 1
+        self, *, auto: bool = False, batch_size: int | None = None, legacy_release: bool = False
     ) -> RelayActor:
+        name = f"{'old-' if legacy_release else ''}relay-{next(self._names)}"
         actor = RelayActor(
-            self, f"relay-{next(self._names)}", auto=auto, batch_size=batch_size, chains=chains
+            self, name, auto=auto, batch_size=batch_size, legacy_release=legacy_release
         )
         self.relays.append(actor)
         self.run(self._quiet())
         return actor
 
     def alive(self) -> list[RelayActor]:
-        return [r for r in self.relays if r.alive and not r.auto]
+        return [r for r in self.relays if r.alive and not r.auto and not r.frozen]
 
     def grantable(self, method: str | None = None) -> list[Call]:
         return [
@@ -483,17 +463,13 @@ class World:
         return Send(actor.name, m.message_id, m.ordering_key, m.seq, m.attempts, m.replays)
 
     async def _row(self, m: model.OutboxMessage) -> RowNow | None:
-        """The row in whichever lane holds it (a ready row counts as gone once it is done)."""
+        """The message's row as the database has it now (None: settled)."""
         cur = await self.monitor.execute(
             "SELECT m.claim_id, m.attempts, m.available_at > now(),"
             " coalesce((SELECT k.concurrency FROM outbox.keys k"
             "           WHERE k.ordering_key = m.ordering_key), 1)"
-            " FROM outbox.messages m WHERE m.id = %s"
-            " UNION ALL"
-            " SELECT c.claim_id, 1, c.until > now(), 1 FROM outbox.claims c"
-            " WHERE c.seg = outbox._seg(%s) AND c.id = %s AND NOT EXISTS"
-            "  (SELECT 1 FROM outbox.done d WHERE d.seg = c.seg AND d.id = c.id)",
-            [m.id, m.id, m.id],
+            " FROM outbox.messages m WHERE m.id = %s",
+            [m.id],
         )
         row = await cur.fetchone()
         return None if row is None else RowNow(*row)
@@ -504,17 +480,23 @@ class World:
         self.run(self._hold(call))
 
     async def _hold(self, call: Call) -> None:
-        if call.then_claim is not None:  # it claims too: held on its relay's own store
+        if call.then is not None:  # it claims too: held on its relay's own store
             await self._hold_chained(call)
             return
         assert call.settlement is not None
         conn = await connect(self.url, call.actor.name)
-        await conn.execute(load().relay_session)
+        await conn.execute(load().relay_session, SESSION_SETUP)
         await conn.set_autocommit(False)
         params = rows.settle_params(call.claim_id, call.settlement, True)  # type: ignore[arg-type]
+        legacy_release = isinstance(call.actor.store.real, legacy.LegacyStore)
+        if legacy_release:
+            query = legacy.SETTLE
+            params = legacy.settle_params(params)
+        else:
+            query, params = load().settle, {**params, "request": None}
 
         async def settle() -> Any:
-            cur = await conn.execute(load().settle, params)
+            cur = await conn.execute(query, params)
             return await cur.fetchone()
 
         task = self.loop.create_task(settle())
@@ -591,13 +573,13 @@ class World:
             await self._catch_up()
             return
         assert held.conn is not None
-        archived, dead, retried, released, blocked = held.task.result()
+        archived, dead, retried, released, blocked, *_ = held.task.result()
         await held.conn.commit()
         await held.conn.close()
         assert held.call.settlement is not None
         fenced = held.call.settlement.size - archived - dead - retried
         counts = model.SettleCounts(archived, dead, retried, fenced, released, blocked)
-        held.call.future.set_result(counts)
+        held.call.future.set_result((counts, model.Claim(uuid.uuid4(), ())))
         await self._catch_up()
 
     def hold_claim(self, call: Call) -> None:
@@ -606,7 +588,8 @@ class World:
         self.run(self._hold_claim(call))
 
     async def _hold_claim(self, call: Call) -> None:
-        started = await self._start_held(call, may_wait=False)
+        # A claim may wait only where it buries a keyed row an operator is releasing.
+        started = await self._start_held(call, may_wait=True)
         if started is not None:
             release, _, task = started
             self.held_claims.append(HeldClaim(call, release, task, self.offset))
@@ -628,14 +611,10 @@ class World:
             actor.beating = self.loop.create_task(actor.relay.heartbeat.run_once())
         self.run(self._quiet())
 
-    def sweep(self, actor: RelayActor) -> int:
-        """The relay's straggler chore runs (beside its loop, on its own connection): the ready
-        rows its windows passed SWEEP_AFTER ago that still have no claim move to messages."""
-        return self._chore(actor, actor.store.real.sweep_stragglers)
-
-    def look_for_all_orphans(self, actor: RelayActor) -> int:
-        """The relay's chore that looks for orphans among every lease that ran out runs."""
-        return self._chore(actor, actor.store.real.release_all_orphans)
+    def rescue(self, actor: RelayActor) -> int:
+        """The relay's rescue chore runs (beside its loop, on its own connection): its cursors
+        move back to any row left behind them. How many moved."""
+        return self._chore(actor, actor.store.real.rescue)
 
     def _chore(self, actor: RelayActor, chore: Callable[[], Awaitable[int]]) -> int:
         moved: list[int] = []
@@ -647,9 +626,16 @@ class World:
         self.run(self._catch_up())
         return sum(moved)
 
+    def freeze(self, actor: RelayActor) -> None:
+        """SIGSTOP (or a network that stopped): it takes no step again, and what it holds stays
+        held — a settle or claim held open stays open — until the test kills it (`crash`)."""
+        actor.frozen = True
+        actor.pending.clear()
+
     def crash(self, actor: RelayActor) -> None:
         """kill -9: it takes no step again; a transaction it had open rolls back."""
         actor.alive = False
+        actor.frozen = False
         actor.pending.clear()
         for held in [h for h in self.held if h.call.actor is actor]:
             self.held.remove(held)
@@ -670,16 +656,8 @@ class World:
                 [seconds],
             )
         )
-        self.run(
-            self.monitor.execute(
-                "UPDATE outbox.claims c SET until = c.until - make_interval(secs => %s)"
-                " FROM (SELECT seg, id FROM outbox.claims FOR UPDATE SKIP LOCKED) AS free"
-                " WHERE c.seg = free.seg AND c.id = free.id",
-                [seconds],
-            )
-        )
-        for actor in self.relays:  # where each relay's next look for orphans starts moves too
-            actor.store.real.shift_orphan_cursor(seconds)
+        for actor in self.relays:  # where each relay's next claim starts moves with them
+            actor.store.real.shift_cursors(seconds)
 
     # -- producers -------------------------------------------------------------------------
 
@@ -696,13 +674,23 @@ class World:
         await p.conn.execute("SELECT 1")  # the business reads: a snapshot from here on
         p.open, p.repeatable, p.keys, p.ids = True, repeatable, set(), []
 
-    def enqueue(self, p: Producer, key: str | None) -> None:
+    def enqueue(self, p: Producer, key: str | None, message_id: UUID | None = None) -> None:
+        """An enqueue in `p`'s open transaction; with `message_id`, one another transaction used
+        too: refused (DuplicateMessage), at once or once that one commits, and `p`'s transaction
+        ends with it — unless that one rolled back."""
         try:
-            message_id = self.run(relay.enqueue_async(p.conn, "x", "k", b"", ordering_key=key))
-        except psycopg.errors.SerializationFailure:
+            given = self.run(
+                relay.enqueue_async(p.conn, "x", "k", b"", ordering_key=key, message_id=message_id)
+            )
+        except psycopg.errors.SerializationFailure as exc:
+            if message_id is not None:  # one promise for an id given twice, whatever the timing
+                self.ledger.violate(f"{p.name}'s second enqueue of {message_id} failed: {exc}")
             self.run(self._abort(p))
             return
-        p.ids.append(message_id)
+        except errors.DuplicateMessage:
+            self.run(self._abort(p))
+            return
+        p.ids.append(given)
         if key is not None:
             p.keys.add(key)
 
@@ -721,11 +709,11 @@ class World:
         except psycopg.Error as exc:
             self.ledger.violate(f"{p.name}'s COMMIT failed: {exc}")
             raise
+        twice = self.ledger.committed & set(p.ids)
+        if twice:
+            self.ledger.violate(f"{p.name} committed message_ids already committed: {twice}")
         self.ledger.committed.update(p.ids)
         p.open = False
-        if self._fetch("SELECT 1 FROM outbox.key_checks LIMIT 1"):  # the commit's NOTIFY
-            for actor in self.alive():
-                actor.relay.recheck.set()
         self.run(self._quiet())
 
     def rollback(self, p: Producer) -> None:
@@ -743,6 +731,10 @@ class World:
             [who],
         )
         return [str(name) for (name,) in await cur.fetchall()]
+
+    def waiting_ids(self) -> list[UUID]:
+        """message_ids of committed messages still in the outbox."""
+        return [UUID(str(m)) for (m,) in self._fetch("SELECT message_id FROM outbox.messages")]
 
     def keys_in_use(self) -> set[str]:
         """Keys an open producer transaction has written to, or an operator is acting on."""
@@ -865,8 +857,8 @@ class World:
         self.run(self._catch_up())
         assert not self.held, f"held settles still waiting on locks: {self.held}"
         assert not self.in_flight, f"still waiting on locks: {self.in_flight}"
-        for actor in self.alive():
-            self.crash(actor)
+        for actor in [r for r in self.relays if r.alive and not r.auto]:
+            self.crash(actor)  # the frozen ones too: killed at last
         for _ in range(20):
             self.advance(LEASE * 10)
             drainer = self.start_relay(auto=True)
@@ -875,7 +867,7 @@ class World:
             drainer.task.cancel()
             for key in self.blocked_keys():
                 self.release(key, replay=False)
-            if not self._fetch(f"SELECT 1 FROM outbox.messages UNION ALL {READY_WAITING}"):
+            if not self._fetch("SELECT 1 FROM outbox.messages"):
                 break
         waiting = [
             dict(zip(("key", "seq", "gated", "claimed", "attempts"), row, strict=True))
@@ -883,7 +875,7 @@ class World:
                 "SELECT ordering_key, seq, gated, claim_id IS NOT NULL, attempts"
                 " FROM outbox.messages ORDER BY ordering_key, seq"
             )
-        ] + [{"ready": i} for (i,) in self._fetch(READY_WAITING)]
+        ]
         archived = {m: (k, s) for m, k, s in self._fetch(
             "SELECT message_id, ordering_key, seq FROM outbox.archive")}  # fmt: skip
         dead = {m: (k, s) for m, k, s in self._fetch(
@@ -892,15 +884,15 @@ class World:
 
     async def _drained(self, drainer: RelayActor) -> None:
         """Wait until the automatic relay has cycled twice since nothing was left to do: no due
-        row, no claimed row, no recheck queued."""
+        row, no claimed row, no recheck queued. Its rescue runs as it cycles."""
         idle_since: int | None = None
         for _ in range(2000):
             await self._quiet()
+            await drainer.store.real.rescue()
             cur = await self.monitor.execute(
                 "SELECT (SELECT count(*) FROM outbox.messages"
                 "        WHERE (NOT gated AND available_at <= now()) OR claim_id IS NOT NULL)"
                 "     + (SELECT count(*) FROM outbox.key_checks)"
-                f"    + (SELECT count(*) FROM ({READY_WAITING}) AS r)"
             )
             row = await cur.fetchone()
             if row is None or row[0] > 0:
@@ -937,13 +929,6 @@ class World:
         self.loop.close()
 
 
-#: Ready-lane rows not yet done (claimed or not).
-READY_WAITING = (
-    "SELECT r.id FROM outbox.ready r"
-    " WHERE NOT EXISTS (SELECT 1 FROM outbox.done d WHERE d.seg = r.seg AND d.id = r.id)"
-)
-
-
 def reset(url: str) -> None:
     """Empty every outbox table and put the default key policy back, between examples."""
     with psycopg.connect(url, autocommit=True) as conn:
@@ -953,7 +938,6 @@ def reset(url: str) -> None:
             )
         )
         conn.execute("UPDATE outbox.key_policies SET on_dead = 'block', concurrency = 1")
-        conn.execute("UPDATE outbox.settings SET fast_lane = true")  # both lanes, as in production
         # Producers ring the doorbell (migration 0023) instead of notifying while no relay holds
         # it, as in production: their lock must never make a COMMIT wait (`commit` checks it).
         conn.execute("UPDATE outbox.settings SET doorbell = true")

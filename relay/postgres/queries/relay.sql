@@ -55,10 +55,6 @@ LEFT JOIN LATERAL (
       AND (available_at, id) < (%(orphan_at)s::timestamptz, %(orphan_id)s::bigint)
     ORDER BY available_at, id LIMIT 1) AS o ON true;
 
--- name: release_stranded
--- Keyed rows whose producer committed while their predecessor was being settled (migration 0012).
-SELECT looked, released FROM {schema}.release_stranded(%(limit)s);
-
 -- name: message_stats
 -- `outbox-relay stats`: every row of messages by state. due = may be claimed now (a lease that
 -- ran out included), scheduled = later, gated = behind an earlier message of its key; pending is
