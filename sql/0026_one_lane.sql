@@ -46,6 +46,7 @@ CREATE TYPE claimed AS (
     ids             bigint[],     -- claimed, in the order they became due
     sizes           bigint[],     -- each one's bytes, for fetching in pages
     more            boolean,      -- due rows were left behind the batch
+    alone           boolean,      -- one row whose lease ran out more than once: claim none ahead
     due_at          timestamptz,  -- where the next claim starts (claim_request's cursors)
     due_id          bigint,
     orphan_at       timestamptz,
@@ -217,7 +218,7 @@ BEGIN
                         'are required, not %', p
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    r := ROW(0, 0, 0, 0, 0, '{}', '{}', false, v_now, 0, v_now, 0, '{}', '{}');
+    r := ROW(0, 0, 0, 0, 0, '{}', '{}', false, false, v_now, 0, v_now, 0, '{}', '{}');
 
     -- Leases that ran out: their relay died or stalled.
     SELECT array_agg(o.id ORDER BY o.available_at, o.id),
@@ -257,6 +258,7 @@ BEGIN
         END IF;
         v_acted := i;
     END LOOP;
+    r.alone := v_alone;
     IF v_alone OR (v_acted > 0 AND v_acted = cardinality(v_ids) AND v_acted = p.max_rows) THEN
         r.orphan_at := v_at[v_acted];  -- more may be waiting from here
         r.orphan_id := v_ids[v_acted];
@@ -386,7 +388,7 @@ BEGIN
     IF NOT p_durable THEN
         PERFORM set_config('synchronous_commit', 'off', true);
     END IF;
-    r := ROW(0, 0, 0, 0, 0, '{}', '{}', false, NULL, NULL, NULL, NULL, '{}', '{}');
+    r := ROW(0, 0, 0, 0, 0, '{}', '{}', false, false, NULL, NULL, NULL, NULL, '{}', '{}');
     v_mine := ARRAY(SELECT m.id FROM messages m
                     WHERE m.id = ANY(p_ids) AND m.claim_id = p_claim_id
                     ORDER BY m.id FOR UPDATE);
@@ -458,6 +460,7 @@ BEGIN
             r.ids := c.ids;
             r.sizes := c.sizes;
             r.more := c.more;
+            r.alone := c.alone;
             r.due_at := c.due_at;
             r.due_id := c.due_id;
             r.orphan_at := c.orphan_at;

@@ -283,7 +283,7 @@ class Relay:
         exhausted = [m for m in mine if m.attempts > self._options.max_attempts]
         to_send = [m for m in mine if m.attempts <= self._options.max_attempts]
         full = len(batch) >= self._options.batch_size or claim.cut_short
-        if self._options.prefetch and full and not self.leases.claimed_ahead:
+        if self._options.prefetch and full and not claim.alone and not self.leases.claimed_ahead:
             self.leases.keep_ahead(asyncio.ensure_future(self._claim_now()))
         results: list[model.PublishResult] = []
         if to_send:

@@ -83,6 +83,9 @@ class Claim:
     cut_short: bool = False
     #: Rows whose lease ran out once too often, moved to dead unread: (message_id, attempts).
     buried: tuple[tuple[UUID, int], ...] = ()
+    #: One row whose lease ran out more than once, claimed alone: it may be what kills relays,
+    #: so nothing is claimed ahead while it is published.
+    alone: bool = False
 
 
 class Outcome(enum.Enum):

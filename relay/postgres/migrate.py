@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
+import time
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -111,10 +112,30 @@ def _apply(
     return Result(tuple(pending), version)
 
 
+#: Tries before `migrate` says who holds the lock and fails (run it again later).
+LOCK_TRIES = 30
+
+
 def _apply_one(conn: psycopg.Connection[Any], q: sql.Queries, migration: Migration) -> None:
+    for tries in range(1, LOCK_TRIES + 1):
+        try:
+            _apply_once(conn, q, migration)
+            return
+        except psycopg.errors.LockNotAvailable as exc:
+            if tries == LOCK_TRIES:
+                raise errors.MigrationError(
+                    f"migration {migration.label} could not take its locks in {LOCK_TRIES} tries "
+                    f"({exc.diag.message_primary}): a long transaction holds a table it changes; "
+                    "run migrate again once it has ended"
+                ) from exc
+            time.sleep(min(0.1 * tries, 2.0))
+
+
+def _apply_once(conn: psycopg.Connection[Any], q: sql.Queries, migration: Migration) -> None:
     try:
         with conn.transaction():
             conn.execute(q.migration_search_path)
+            conn.execute(q.migration_lock_timeout)
             # A migration file is several statements of our own, run as one simple query.
             conn.execute(migration.text.encode("utf-8"))
             conn.execute(
@@ -125,7 +146,7 @@ def _apply_one(conn: psycopg.Connection[Any], q: sql.Queries, migration: Migrati
                     "checksum": migration.checksum,
                 },
             )
-    except psycopg.OperationalError:
+    except (psycopg.OperationalError, psycopg.errors.LockNotAvailable):
         raise
     except psycopg.Error as exc:
         raise errors.MigrationError(

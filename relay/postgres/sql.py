@@ -41,6 +41,7 @@ class Queries:
     applied_migrations: LiteralString
     migrations_recorded: LiteralString
     migration_search_path: LiteralString
+    migration_lock_timeout: LiteralString
     record_migration: LiteralString
     revoke_public_execute: LiteralString
     relay_session: LiteralString

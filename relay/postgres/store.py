@@ -202,7 +202,8 @@ class PgStore(Readings):
             (UUID(str(m)), int(n)) for m, n in zip(row.buried, row.buried_attempts, strict=True)
         )
         rows = await self._fetch(claim_id, row.ids, row.sizes) if row.ids else []
-        return model.Claim(claim_id, tuple(to_message(r) for r in rows), row.more, buried)
+        messages = tuple(to_message(r) for r in rows)
+        return model.Claim(claim_id, messages, row.more, buried, row.alone)
 
     async def _fetch(self, claim_id: UUID, ids: list[int], sizes: list[int]) -> list[Any]:
         """The claimed rows, in pages of about FETCH_PAGE_BYTES (one row at least), in claim
@@ -290,10 +291,20 @@ async def _check_role_settings(conn: psycopg.AsyncConnection[Any], q: sql.Querie
         wrong.append("synchronous_commit = on")  # claims must be durable before a publish
     if isolation != "read committed":
         wrong.append("default_transaction_isolation = 'read committed'")
-    if lock_timeout == "0":
-        wrong.append("lock_timeout = '5s'")
-    if idle == "0":
-        wrong.append("idle_in_transaction_session_timeout = '5s'")
+    unbounded = [
+        f"ALTER ROLE {role} SET {name} = '5s'"
+        for name, value in (
+            ("lock_timeout", lock_timeout),
+            ("idle_in_transaction_session_timeout", idle),
+        )
+        if value == "0"
+    ]
+    if unbounded:
+        log.warning(
+            "behind a transaction pooler the relay's lock waits are bounded only by its role's "
+            "settings (OUTBOX_LOCK_TIMEOUT cannot reach its sessions): %s",
+            "; ".join(unbounded),
+        )
     if wrong:
         raise errors.ConfigError(
             "behind a transaction pooler the relay cannot change its sessions' settings; "

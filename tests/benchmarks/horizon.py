@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import itertools
 import json
 import os
 import re
@@ -63,13 +62,6 @@ PHASES = ("clean", "pinned", "readers", "recovery")
 GROWING = ("archive", "dead")
 SAMPLE_EVERY = 15.0
 READERS = 4
-#: The ring (migration 0015): the segment the id sequence is in, and each segment's file.
-RING_SQL: LiteralString = (
-    "SELECT (last_value / 131072 % 4)::int,"
-    " pg_relation_filenode('outbox.ready_0'), pg_relation_filenode('outbox.ready_1'),"
-    " pg_relation_filenode('outbox.ready_2'), pg_relation_filenode('outbox.ready_3')"
-    " FROM outbox.messages_id_seq"
-)
 #: The database's active sessions but the watcher's own: what each waits for, and its statement.
 ACTIVITY_SQL: LiteralString = (
     "SELECT wait_event_type || ':' || wait_event, left(regexp_replace(query, '\\s+', ' ', 'g'), 60)"
@@ -253,7 +245,6 @@ class Run:
                     )
                 ).fetchall()
                 row = await (await conn.execute(checkpoints)).fetchone()
-                ring = await (await conn.execute(RING_SQL)).fetchone()
                 busy = await (await conn.execute(ACTIVITY_SQL)).fetchall()
                 functions = await (await conn.execute(FUNCTIONS_SQL)).fetchall()
                 self.server.append(
@@ -261,10 +252,6 @@ class Run:
                         "t": time.time() - self.start,
                         "vacuums": {name: phase for name, phase in vacuums},
                         "checkpoints": int(row[0]) if row else 0,
-                        # The segment producers write into, and each segment's file: a new file
-                        # is a reclaim (TRUNCATE).
-                        "segment": ring[0] if ring else None,
-                        "files": list(ring[1:]) if ring else [],
                         # What the database's other sessions were doing: (wait, statement) of
                         # each active one, and the outbox functions' calls and time so far
                         # (with track_functions = all; empty otherwise).
@@ -284,21 +271,10 @@ class Run:
             seen = [s for s in self.server if bucket["t"] - 5 <= s["t"] < bucket["t"] + 10]
             vacuumed = sorted({name for s in seen for name in s["vacuums"]})
             checkpoints = {s["checkpoints"] for s in seen}
-            segments = sorted({s["segment"] for s in seen if s.get("segment") is not None})
-            reclaimed = sorted(
-                {
-                    i
-                    for a, b in itertools.pairwise(seen)
-                    for i, (x, y) in enumerate(zip(a["files"], b["files"], strict=False))
-                    if x != y
-                }
-            )
             out.append(
                 f"t={bucket['t']:.0f}s p99 {bucket['p99_ms']:,.0f} ms: vacuum "
                 f"{', '.join(vacuumed) or 'none'}; checkpoint "
-                f"{'yes' if len(checkpoints) > 1 else 'no'}; producers in segment "
-                f"{'/'.join(map(str, segments)) or '?'}, segments reclaimed "
-                f"{', '.join(map(str, reclaimed)) or 'none'} (5 s either side); "
+                f"{'yes' if len(checkpoints) > 1 else 'no'} (5 s either side); "
                 f"{_busy(seen)}; {_functions(seen)}"
             )
         return out
@@ -420,7 +396,7 @@ class Run:
             row = await (
                 await probe.execute(
                     "SELECT (SELECT count(*) FROM outbox.archive),"
-                    " (SELECT count(*) FROM outbox.waiting)"
+                    " (SELECT count(*) FROM outbox.messages)"
                 )
             ).fetchone()
             assert row is not None
@@ -472,7 +448,7 @@ class Run:
 STUCK_SQL: LiteralString = (
     "SELECT lane, attempts, claim_id IS NOT NULL, available_at > now(), count(*),"
     " min(available_at - now())::text, max(claimed_at)::text, max(last_error)"
-    " FROM outbox.waiting GROUP BY 1, 2, 3, 4"
+    " FROM outbox.messages GROUP BY 1, 2, 3, 4"
 )
 SESSIONS_SQL: LiteralString = (
     "SELECT application_name, state, wait_event_type || ':' || wait_event,"

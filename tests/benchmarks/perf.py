@@ -230,14 +230,8 @@ def fill(url: str, exchange: str, messages: int, keys: int = 0) -> None:
     """Write the backlog, then vacuum and analyze it as autovacuum would have while it built up
     (migration 0005 sets it to act every few thousand rows). Without that the first claims plan
     on an empty table's statistics: on a server with autovacuum off, as on our CI machines, a
-    backlog of 10,000 was claimed by sorting every due row (20 ms a claim, not 8).
-
-    The backlog is written as producers write it while relays of this version run: unkeyed rows
-    into the ready lane (`use_fast_lane`, which `outbox-relay run` calls at start; before it,
-    every row would go to `messages` and the drain would measure the slow lane only)."""
+    backlog of 10,000 was claimed by sorting every due row (20 ms a claim, not 8)."""
     with psycopg.connect(url) as conn:
-        conn.execute("SELECT outbox.use_fast_lane()")
-        conn.commit()
         for lo in range(0, messages, 100_000):
             conn.execute(
                 "SELECT outbox.enqueue(%s, 'bench.' || i, convert_to(repeat('x', %s), 'UTF8'),"
@@ -247,7 +241,7 @@ def fill(url: str, exchange: str, messages: int, keys: int = 0) -> None:
             )
             conn.commit()
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("VACUUM (ANALYZE) outbox.messages, outbox.ready")
+        conn.execute("VACUUM (ANALYZE) outbox.messages")
 
 
 #: How long a drain may take before the benchmark gives up on it (the deep backlog's takes minutes).

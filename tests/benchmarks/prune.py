@@ -66,7 +66,7 @@ async def cycles(url: str, until: threading.Event | float) -> list[float]:
                     await relay.enqueue_async(producer, "orders", "order.created", b"x" * 200)
                 await producer.commit()
                 started = time.perf_counter()
-                claim = await store.claim(PER_CYCLE, 30.0)
+                claim = await store.claim(model.Ask(PER_CYCLE, 30.0, 10))
                 latencies.append(time.perf_counter() - started)
                 ids = tuple(m.id for m in claim.messages)
                 await store.settle(claim.claim_id, model.Settlement(archive=ids))

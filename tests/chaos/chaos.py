@@ -344,7 +344,7 @@ def run(svc: services.Services, plan: Plan, echo: Callable[[str], object] = prin
             producers.join()
             deadline = time.monotonic() + 300
             while (
-                _scalar(url, "SELECT count(*) FROM outbox.waiting") and time.monotonic() < deadline
+                _scalar(url, "SELECT count(*) FROM outbox.messages") and time.monotonic() < deadline
             ):
                 # Both lanes: `messages` alone can be empty while the ring still holds
                 # rows that a killed relay's claim sends back to `messages` later.
@@ -413,7 +413,7 @@ def _tally(report: Report, url: str, producers: Producers, received: list[Arriva
         rows = conn.execute("SELECT message_id::text, attempts + ambiguous FROM outbox.archive")
         sends: dict[str, int] = dict(rows.fetchall())
     report.unexplained = sum(max(0, n - sends.get(m, 0)) for m, n in copies.items())
-    report.left_waiting = _scalar(url, "SELECT count(*) FROM outbox.waiting")
+    report.left_waiting = _scalar(url, "SELECT count(*) FROM outbox.messages")
     report.archived = _scalar(url, "SELECT count(*) FROM outbox.archive")
     report.dead = _scalar(url, "SELECT count(*) FROM outbox.dead")
     report.rechecks = _scalar(

@@ -131,20 +131,20 @@ async def test_heartbeats_keep_a_slow_batch_from_being_claimed_twice(
             ids = await enqueue(database_url, *messages(broker.exchange, 10))
             await until_async(
                 lambda: scalar(
-                    database_url, "SELECT count(*) FROM outbox.waiting WHERE claimed_by = 'slow'"
+                    database_url, "SELECT count(*) FROM outbox.messages WHERE claimed_by = 'slow'"
                 ),
                 message="the slow relay's claim",
             )
             async with running(rescuer):
                 # Three leases pass by the database's clock; the rescuer must not see orphans.
                 three_leases = (
-                    "SELECT bool_and(now() > claimed_at + interval '3 s') FROM outbox.waiting"
+                    "SELECT bool_and(now() > claimed_at + interval '3 s') FROM outbox.messages"
                 )
                 await until_async(
                     lambda: scalar(database_url, three_leases), timeout=15, message="three leases"
                 )
                 holders = await query(
-                    database_url, "SELECT DISTINCT claimed_by, claim_id FROM outbox.waiting"
+                    database_url, "SELECT DISTINCT claimed_by, claim_id FROM outbox.messages"
                 )
                 assert len(holders) == 1
                 assert holders[0][0] == "slow"
@@ -179,7 +179,7 @@ async def test_undecodable_row_is_dead_lettered_and_the_others_flow(
 
 KILL_RELAY_SESSIONS = (
     "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
-    " WHERE application_name = 'outbox-relay' AND datname = current_database()"
+    " WHERE application_name LIKE 'outbox-relay%%' AND datname = current_database()"
 )
 
 

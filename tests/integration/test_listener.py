@@ -81,20 +81,21 @@ async def test_a_listener_that_outlived_many_outages_still_comes_back_at_once(
         await asyncio.gather(listening, return_exceptions=True)
 
 
-async def test_a_commit_that_queued_a_key_recheck_asks_the_relays_to_look(
+async def test_a_commit_that_queued_a_key_recheck_wakes_the_relays(
     listener: Listener, database_url: str
 ) -> None:
-    listener.recheck.clear()
-    await enqueue_one(database_url)  # an ordinary commit wakes, and asks for no recheck
-    await asyncio.wait_for(listener.wake.wait(), 10)
-    assert not listener.recheck.is_set()
-    # A keyed commit whose predecessor is locked (as by a relay's settle) queues a recheck.
+    # A keyed commit whose predecessor is locked (as by a relay's settle) queues a recheck, which
+    # the next claim of any relay runs: it wakes a relay that sleeps, so that one comes.
     async with await psycopg.AsyncConnection.connect(database_url) as conn:
         await relay.enqueue_async(conn, "x", "k", b"1", ordering_key="k")
         await conn.commit()
+        await asyncio.wait_for(listener.wake.wait(), 10)
+        listener.wake.clear()
         settling = await psycopg.AsyncConnection.connect(database_url)
         await settling.execute("SELECT 1 FROM outbox.messages WHERE seq = 1 FOR UPDATE")
         await relay.enqueue_async(conn, "x", "k", b"2", ordering_key="k")
         await conn.commit()
         await settling.close()
-    await asyncio.wait_for(listener.recheck.wait(), 10)
+        checks = await conn.execute("SELECT count(*) FROM outbox.key_checks")
+        assert await checks.fetchone() == (1,)
+    await asyncio.wait_for(listener.wake.wait(), 10)

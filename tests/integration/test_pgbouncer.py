@@ -67,7 +67,7 @@ def test_producers_enqueue_through_it(bouncer: str, database_url: str) -> None:
             conn.commit()
         relay.enqueue(conn, "x", "rolled-back", b"")
         conn.rollback()  # not a message: its transaction did not commit
-    assert count(database_url, "SELECT count(*) FROM outbox.waiting") == 36
+    assert count(database_url, "SELECT count(*) FROM outbox.messages") == 36
 
 
 async def test_the_relay_through_it_wakes_on_notify_over_a_direct_listen_url(
@@ -194,6 +194,6 @@ def test_dead_replay_through_it(bouncer: str, database_url: str) -> None:
         moved = ops.dead_replay(DeadFilter.build(message_ids=[str(i) for i in ids]), batch=7)
     assert moved == 30
     until(
-        lambda: count(database_url, "SELECT count(*) FROM outbox.waiting") == 30,
+        lambda: count(database_url, "SELECT count(*) FROM outbox.messages") == 30,
         message="the replayed rows in the outbox",
     )

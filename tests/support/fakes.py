@@ -110,10 +110,11 @@ class MemoryStore:
         for row in buried:
             self.dead.append(Settled(self.rows.pop(row.id), "max_attempts", "never settled"))
         taken: list[Row] = []
-        left = False  # expired leases left for the next claim
+        left = alone = False  # expired leases left for the next claim; one taken alone
         for row in (r for r in expired if r.attempts < ask.max_attempts):
             if row.attempts >= 2:
-                left = True  # alone: after the batch so far, or as a batch of its own
+                left = True  # alone: as a batch of its own, or after this batch
+                alone = not taken
                 taken = taken or [row]
                 break
             taken.append(row)
@@ -131,6 +132,7 @@ class MemoryStore:
             tuple(_message(r) for r in taken),
             more,
             tuple((r.message_id, r.attempts) for r in buried),
+            alone,
         )
 
     def _due(self, room: int, some: bool) -> tuple[list[Row], bool]:

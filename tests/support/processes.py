@@ -65,20 +65,24 @@ def assert_one_line_error(
 
 class RelayProcess:
     """`outbox-relay run` in the background. `wait_for(text)` waits on its output, not on time.
-    `launcher` goes before the command (e.g. a wrapper such as `opentelemetry-instrument`); `cwd`
-    is where it runs (a folder holding another release's `relay` package runs that release)."""
+    `launcher` goes before the command (e.g. a wrapper such as `opentelemetry-instrument`);
+    `python` is the interpreter and its options (another venv's runs the release installed there,
+    e.g. `[venv_python, "-I", "-u"]`: isolated from PYTHONPATH and the working directory, and
+    unbuffered, as `-I` ignores PYTHONUNBUFFERED); `cwd` is where it runs (a folder holding
+    another release's `relay` package runs that release)."""
 
     def __init__(
         self,
         env: Mapping[str, str],
         *args: str,
         launcher: Sequence[str] = (),
+        python: Sequence[str] = (sys.executable,),
         cwd: str | None = None,
     ) -> None:
         self.lines: list[str] = []
         self._changed = threading.Condition()
         self.proc = subprocess.Popen(
-            [*launcher, sys.executable, "-m", "relay", "run", *args],
+            [*launcher, *python, "-m", "relay", "run", *args],
             env=dict(env),
             cwd=cwd,  # `-m relay` imports the package found here first (an older release's)
             stdout=subprocess.PIPE,

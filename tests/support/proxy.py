@@ -15,8 +15,9 @@ T = TypeVar("T")
 
 class TcpProxy:
     """Forwards 127.0.0.1:<port> to a target. `pause()` stops forwarding in both directions (bytes
-    wait in the socket buffers, as on a stalled network); `cut()` resets every open connection and
-    refuses new ones until `restore()`.
+    wait in the socket buffers, as on a stalled network); `hold_on(marker)` does the same to one
+    connection only, the first whose client sends `marker`, from those bytes on; `resume()` ends
+    both. `cut()` resets every open connection and refuses new ones until `restore()`.
 
     With `tls`, it terminates TLS with that server context and forwards plain bytes: a TLS
     listener in front of a server that has none. `postgres=True` speaks PostgreSQL's way into TLS
@@ -45,6 +46,10 @@ class TcpProxy:
         self.accepted = 0
         self.tripped = 0
         self._trip: tuple[bytes, Callable[[], None]] | None = None
+        self._hold: bytes | None = None
+        self._holding: list[asyncio.Event] = []  # the held connections' own flow
+        #: How many connections `hold_on` stopped (each holds the marker's bytes unsent).
+        self.held = 0
 
     def __enter__(self) -> TcpProxy:
         self._thread.start()
@@ -62,6 +67,12 @@ class TcpProxy:
 
     def resume(self) -> None:
         self._call(self._set_flowing(True))
+
+    def hold_on(self, marker: bytes) -> None:
+        """Stall the first connection whose client sends bytes containing `marker`, both ways,
+        before forwarding those bytes (the other connections flow), until `resume()`: one AMQP
+        connection of several stalled, as by a link or a broker's flow control."""
+        self._hold = marker
 
     def cut(self) -> None:
         self._call(self._cut())
@@ -97,6 +108,9 @@ class TcpProxy:
         assert self._flowing is not None
         if flowing:
             self._flowing.set()
+            for held in self._holding:
+                held.set()
+            self._holding.clear()
         else:
             self._flowing.clear()
 
@@ -125,9 +139,11 @@ class TcpProxy:
             client_w.transport.abort()
             return
         self._connections.update((client_w, server_w))
+        mine = asyncio.Event()  # this connection's own flow (`hold_on`)
+        mine.set()
         await asyncio.gather(
-            self._pump(client_r, server_w, watch=client_w),
-            self._pump(server_r, client_w),
+            self._pump(client_r, server_w, mine, watch=client_w),
+            self._pump(server_r, client_w, mine),
             return_exceptions=True,
         )
         for writer in (client_w, server_w):
@@ -162,12 +178,15 @@ class TcpProxy:
         self,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
+        mine: asyncio.Event,
         watch: asyncio.StreamWriter | None = None,
     ) -> None:
         assert self._flowing is not None
         tail = b""
+        held_tail = b""
         while True:
             await self._flowing.wait()
+            await mine.wait()
             data = await reader.read(65536)
             if not data:
                 break
@@ -180,7 +199,15 @@ class TcpProxy:
                     writer.transport.abort()
                     return
                 tail = (tail + data)[-len(marker) :]
+            if watch is not None and self._hold is not None:
+                if self._hold in held_tail + data:
+                    self._hold = None  # one connection
+                    self.held += 1
+                    mine.clear()
+                    self._holding.append(mine)
+                held_tail = (held_tail + data)[-len(self._hold or b"") :] if self._hold else b""
             await self._flowing.wait()
+            await mine.wait()
             writer.write(data)
             await writer.drain()
         with contextlib.suppress(Exception):

@@ -24,6 +24,12 @@ SELECT version, name, checksum FROM {schema}.schema_migrations ORDER BY version;
 -- Migrations create unqualified objects in the outbox schema; pg_temp last so it cannot shadow them.
 SET LOCAL search_path TO {schema}, pg_temp;
 
+-- name: migration_lock_timeout
+-- A migration waits this long for a table lock (producers, relays and readers hold theirs briefly),
+-- then gives up, which lets everyone queued behind its request go on, and tries again: a long
+-- wait would hold every producer of that table behind it.
+SET LOCAL lock_timeout = '2s';
+
 -- name: record_migration
 INSERT INTO {schema}.schema_migrations (version, name, checksum)
 VALUES (%(version)s, %(name)s, %(checksum)s);

@@ -9,7 +9,7 @@
 -- row: the claim has committed before any row travels (`fetch`), so a relay frozen while it
 -- reads holds no lock. SKIP LOCKED lets replicas claim side by side; leases are judged by the
 -- database's clock, never a relay's.
-SELECT ids, sizes, more, due_at, due_id, orphan_at, orphan_id, buried, buried_attempts
+SELECT ids, sizes, more, alone, due_at, due_id, orphan_at, orphan_id, buried, buried_attempts
 FROM {schema}.claim(%(request)s::{schema}.claim_request);
 
 -- name: fetch
@@ -27,8 +27,8 @@ ORDER BY id;
 -- name: settle
 -- Every transition of one claim, in one transaction, then (with a request) the next claim in the
 -- same round trip (migration 0026).
-SELECT archived, dead, retried, released, blocked, ids, sizes, more, due_at, due_id, orphan_at,
-       orphan_id, buried, buried_attempts
+SELECT archived, dead, retried, released, blocked, ids, sizes, more, alone, due_at, due_id,
+       orphan_at, orphan_id, buried, buried_attempts
 FROM {schema}.settle(
     %(claim_id)s, %(ids)s::bigint[], %(fates)s::text[], %(reasons)s::text[], %(notes)s::text[],
     %(delays)s::float8[], %(resent)s::bigint[], %(durable)s, %(request)s::{schema}.claim_request);
