@@ -78,9 +78,10 @@ BEGIN
         SELECT message_id, exchange, routing_key, body, headers, properties, ordering_key, seq,
                attempts, ambiguous, created_at, replays, replayed_at, replayed_from,
                'max_attempts',
-               format('claimed %s times and never settled: the relays publishing it died or '
-                      'lost their lease (last claimed by %s; last error: %s)',
-                      attempts, coalesce(claimed_by, 'unknown'), coalesce(last_error, 'none'))
+               format('claimed %s times, its attempts used up: moved here unread (last claimed '
+                      'by %s; last error: %s)',
+                      attempts, coalesce(claimed_by, 'unknown'),
+                      coalesce(last_error, 'none: its relays died or lost their lease'))
         FROM gone
         RETURNING message_id, attempts, ordering_key, seq
     )
@@ -247,6 +248,10 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     r := ROW(0, 0, 0, 0, 0, '{}', '{}', false, false, v_now, 0, v_now, 0, '{}', '{}');
+    -- Keyed rows a race left gated (key_checks), released first: this claim may take them.
+    IF EXISTS (SELECT 1 FROM key_checks) THEN
+        PERFORM release_stranded(100);
+    END IF;
 
     -- Leases that ran out: their relay died or stalled.
     SELECT array_agg(o.id ORDER BY o.available_at, o.id),
@@ -318,9 +323,10 @@ BEGIN
     ELSE
         SELECT array_agg(d.id ORDER BY d.available_at, d.id),
                array_agg(d.available_at ORDER BY d.available_at, d.id),
+               array_agg(d.attempts ORDER BY d.available_at, d.id),
                array_agg(d.bytes ORDER BY d.available_at, d.id)
-        INTO v_ids, v_at, v_bytes
-        FROM (SELECT m.id, m.available_at,
+        INTO v_ids, v_at, v_tries, v_bytes
+        FROM (SELECT m.id, m.available_at, m.attempts,
                      octet_length(m.body) + pg_column_size(m.headers)
                          + pg_column_size(m.properties) AS bytes
               FROM messages m
@@ -330,13 +336,23 @@ BEGIN
               LIMIT v_room
               FOR UPDATE SKIP LOCKED) AS d;
         v_acted := 0;
+        v_dead := '{}';
         FOR i IN 1 .. coalesce(cardinality(v_ids), 0) LOOP
-            EXIT WHEN cardinality(v_take) > 0 AND v_bytes[i] > v_budget;
-            v_take := v_take || v_ids[i];
-            v_sizes := v_sizes || v_bytes[i];
-            v_budget := v_budget - v_bytes[i];
+            IF v_tries[i] >= p.max_attempts THEN  -- max_attempts was lowered
+                v_dead := v_dead || v_ids[i];
+            ELSE
+                EXIT WHEN cardinality(v_take) > 0 AND v_bytes[i] > v_budget;
+                v_take := v_take || v_ids[i];
+                v_sizes := v_sizes || v_bytes[i];
+                v_budget := v_budget - v_bytes[i];
+            END IF;
             v_acted := i;
         END LOOP;
+        IF cardinality(v_dead) > 0 THEN
+            SELECT r.buried || b.buried, r.buried_attempts || b.attempts
+            INTO r.buried, r.buried_attempts
+            FROM _bury(v_dead) AS b;
+        END IF;
         IF v_acted < coalesce(cardinality(v_ids), 0) THEN  -- cut by bytes: from the first left
             r.due_at := v_at[v_acted + 1];
             r.due_id := v_ids[v_acted + 1];

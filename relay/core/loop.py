@@ -280,8 +280,7 @@ class Relay:
                 len(batch) - len(mine),
                 len(batch),
             )
-        exhausted = [m for m in mine if m.attempts > self._options.max_attempts]
-        to_send = [m for m in mine if m.attempts <= self._options.max_attempts]
+        to_send = mine
         full = len(batch) >= self._options.batch_size or claim.cut_short
         if self._options.prefetch and full and not claim.alone and not self.leases.claimed_ahead:
             self.leases.keep_ahead(asyncio.ensure_future(self._claim_now()))
@@ -291,9 +290,7 @@ class Relay:
             results = await self._publisher.publish(
                 to_send, self._abort, lambda: self.leases.valid(claim.claim_id, sending)
             )
-        settlement = plan(
-            to_send, results, exhausted, self._options, stopping=self._stopping.is_set()
-        )
+        settlement = plan(to_send, results, self._options, stopping=self._stopping.is_set())
         return to_send, results, settlement
 
     async def _settle(self, claim_id: UUID, settlement: model.Settlement) -> model.SettleCounts:

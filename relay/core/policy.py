@@ -42,14 +42,13 @@ class Options:
 def plan(
     published: Sequence[model.OutboxMessage],
     results: Sequence[model.PublishResult],
-    exhausted: Sequence[model.OutboxMessage],
     options: Options,
     *,
     stopping: bool = False,
 ) -> model.Settlement:
     """Map each message's outcome to its row transition. Pure: the policy lives here, only here."""
     archive: list[int] = []
-    dead = [_exhausted(m) for m in exhausted]
+    dead: list[model.DeadLetter] = []
     retries: list[model.Retry] = []
     for message, result in zip(published, results, strict=True):
         match result.outcome:
@@ -107,12 +106,6 @@ def _dead(
     message: model.OutboxMessage, reason: model.DeadReason, result: model.PublishResult
 ) -> model.DeadLetter:
     return model.DeadLetter(message.id, reason, result.detail)
-
-
-def _exhausted(message: model.OutboxMessage) -> model.DeadLetter:
-    cause = message.last_error or "no error was recorded: the relay holding it may have died"
-    detail = f"claimed {message.attempts} times; last error: {cause}"
-    return model.DeadLetter(message.id, model.DeadReason.MAX_ATTEMPTS, detail)
 
 
 def report(
@@ -188,7 +181,7 @@ def log_transitions(
 def log_buried(buried: Sequence[tuple[object, int]]) -> None:
     """Each orphan buried unread (its relays kept dying) is a dead letter of its own."""
     for message_id, attempts in buried:
-        _dead_lettered(message_id, attempts, "max_attempts", "never settled (moved unread)")
+        _dead_lettered(message_id, attempts, "max_attempts", "attempts used up (moved unread)")
 
 
 def _dead_lettered(

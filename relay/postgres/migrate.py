@@ -86,7 +86,8 @@ def migrate(
         ):
             result = _apply(conn, q, todo, held)
             conn.execute(q.revoke_public_execute)
-            roles.refresh(conn, schema)  # grant new objects to the roles, if set up
+            if result.version == len(discover()):  # roles.sql describes the newest schema
+                roles.refresh(conn, schema)  # grant new objects to the roles, if set up
             return result
     except psycopg.OperationalError as exc:
         raise errors.DatabaseUnavailable(f"PostgreSQL unavailable: {pg.first_line(exc)}") from exc

@@ -99,9 +99,7 @@ def waiting(url: str, name: str) -> list[dict[str, Any]]:
     """The headers of every message replay `name` put in the outbox, as they wait there."""
     found = rows(
         url,
-        "SELECT headers FROM outbox.messages WHERE headers->>'x-replay' = %s"
-        " UNION ALL SELECT headers FROM outbox.ready WHERE headers->>'x-replay' = %s",
-        name,
+        "SELECT headers FROM outbox.messages WHERE headers->>'x-replay' = %s",
         name,
     )
     return [r[0] for r in found]
@@ -420,8 +418,7 @@ def test_targets_archived_ids_reused_and_exact_headers_all_come_through(
     found = rows(
         database_url,
         "SELECT exchange, routing_key, headers->>'x-replay-of', (headers->'precise')::text,"
-        " message_id FROM outbox.messages UNION ALL SELECT exchange, routing_key,"
-        " headers->>'x-replay-of', (headers->'precise')::text, message_id FROM outbox.ready",
+        " message_id FROM outbox.messages",
     )
     assert {(e, r) for e, r, *_ in found} == {("", "a-queue")}
     assert sorted(of for _, _, of, _, _ in found).count(shared) == 2
@@ -553,7 +550,6 @@ def test_a_run_that_read_the_position_late_cannot_resend_what_it_already_passed(
     with ReplayDatabase.connect(database_url, "outbox") as db:
         assert db.enqueue("fence", batch(0, 1, 5)) == 5
         rows(database_url, "DELETE FROM outbox.messages RETURNING 1")  # A's were sent meanwhile
-        rows(database_url, "DELETE FROM outbox.ready RETURNING 1")
         with pytest.raises(errors.InvalidArgument, match="not past the position 5"):
             db.enqueue("fence", batch(5, 1, 5))
         with pytest.raises(errors.InvalidArgument, match="not past the position 5"):

@@ -96,19 +96,13 @@ class MemoryStore:
         return self._claim(ask)
 
     def _claim(self, ask: model.Ask) -> model.Claim:
-        """As migration 0026's claim: expired leases first (one claimed more than once before
-        goes alone; one with `max_attempts` claims goes to dead unread), then due rows."""
+        """As migration 0026's claim: expired leases first (one lost more than once goes alone),
+        then due rows; a row whose attempts are used up goes to dead unread instead."""
+        leased = (r for r in self.rows.values() if r.claim_id is not None)
         expired = sorted(
-            (
-                r
-                for r in self.rows.values()
-                if r.claim_id is not None and r.available_at <= self.now
-            ),
-            key=lambda r: (r.available_at, r.id),
+            (r for r in leased if r.available_at <= self.now), key=lambda r: (r.available_at, r.id)
         )[: ask.limit]
-        buried = [r for r in expired if r.attempts >= ask.max_attempts]
-        for row in buried:
-            self.dead.append(Settled(self.rows.pop(row.id), "max_attempts", "never settled"))
+        spent = [r for r in expired if r.attempts >= ask.max_attempts]
         taken: list[Row] = []
         left = alone = False  # expired leases left for the next claim; one taken alone
         for row in (r for r in expired if r.attempts < ask.max_attempts):
@@ -121,7 +115,10 @@ class MemoryStore:
         more = left or len(expired) >= ask.limit
         if not more:
             due, more = self._due(ask.limit - len(taken), bool(taken))
-            taken += due
+            spent += [r for r in due if r.attempts >= ask.max_attempts]
+            taken += [r for r in due if r.attempts < ask.max_attempts]
+        for row in spent:
+            self.dead.append(Settled(self.rows.pop(row.id), "max_attempts", "attempts used up"))
         claim_id = uuid.uuid4()
         for row in taken:
             row.attempts += 1
@@ -131,7 +128,7 @@ class MemoryStore:
             claim_id,
             tuple(_message(r) for r in taken),
             more,
-            tuple((r.message_id, r.attempts) for r in buried),
+            tuple((r.message_id, r.attempts) for r in spent),
             alone,
         )
 
