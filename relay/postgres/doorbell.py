@@ -141,5 +141,6 @@ class Doorbell:
         if self._unwanted.is_set():
             return False
         self.arms += 1
+        self.lost.clear()  # held again: a sleeper waits for this session, not the last one
         self.armed.set()
         return True

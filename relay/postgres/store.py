@@ -40,13 +40,27 @@ class Cursor(NamedTuple):
     id: int
 
 
+class Behind(NamedTuple):
+    """What the rescue found behind the two cursors (None: nothing)."""
+
+    due: Cursor | None
+    orphans: Cursor | None
+
+
+def _earlier(cursor: Cursor | None, found: Cursor | None) -> Cursor | None:
+    """Where a claim starts: `cursor`, or `found` if that is earlier (None is the start)."""
+    if cursor is None or found is None:
+        return cursor
+    return min(cursor, found)
+
+
 class PgStore(Readings):
     """ports.Store on PostgreSQL. Every method raises errors.DatabaseUnavailable on an outage and
     errors.LockTimeout when a lock was not granted within the session's lock_timeout.
 
     It keeps the relay's two cursors: where its next claim starts in the due rows and in the
     expired leases (docs/decisions/0004). They only save work: a claim looks back a second behind
-    them, and `rescue` moves them back to any row left behind."""
+    them, and after `rescue` the next claim starts from any row left behind."""
 
     def __init__(
         self,
@@ -66,6 +80,10 @@ class PgStore(Readings):
         #: leases (None: from the start, as after a restart).
         self.due_from: Cursor | None = None
         self.orphans_from: Cursor | None = None
+        #: What the rescue found behind the cursors, kept until a claim that started from it
+        #: ends: a claim already in flight when the rescue looked moves the cursors on from
+        #: where it began, and would otherwise undo the rescue's find.
+        self._behind = Behind(None, None)
 
     @classmethod
     async def open(
@@ -157,8 +175,9 @@ class PgStore(Readings):
 
     async def claim(self, ask: model.Ask) -> model.Claim:
         claim_id = uuid.uuid4()
+        behind = self._behind
         row = await self._one(self._q.claim, {"request": self._request(claim_id, ask)})
-        return await self._claimed(claim_id, row)
+        return await self._claimed(claim_id, row, behind)
 
     async def settle(
         self, claim_id: UUID, settlement: model.Settlement, then: model.Ask | None = None
@@ -168,6 +187,7 @@ class PgStore(Readings):
         # claims too waits for it: claims are always durable before anything is published.
         durable = self._synchronous_commit or bool(settlement.resent) or then is not None
         next_id = uuid.uuid4()
+        behind = self._behind
         params = {
             **settle_params(claim_id, settlement, durable),
             "request": None if then is None else self._request(next_id, then),
@@ -179,10 +199,11 @@ class PgStore(Readings):
         )
         if then is None:
             return counts, model.Claim(next_id, ())
-        return counts, await self._claimed(next_id, row)
+        return counts, await self._claimed(next_id, row, behind)
 
     def _request(self, claim_id: UUID, ask: model.Ask) -> tuple[Any, ...]:
-        """The claim_request composite (migration 0026), field by field."""
+        """The claim_request composite (migration 0026), field by field: from the cursors, or
+        from what the rescue found behind them."""
         return (
             claim_id,
             self._relay_name,
@@ -190,14 +211,17 @@ class PgStore(Readings):
             ask.limit,
             self._batch_max_bytes,
             ask.max_attempts,
-            *(self.due_from or (None, None)),
-            *(self.orphans_from or (None, None)),
+            *(_earlier(self.due_from, self._behind.due) or (None, None)),
+            *(_earlier(self.orphans_from, self._behind.orphans) or (None, None)),
         )
 
-    async def _claimed(self, claim_id: UUID, row: Any) -> model.Claim:
-        """Move the cursors on as the claim says, and fetch what it claimed."""
+    async def _claimed(self, claim_id: UUID, row: Any, behind: Behind) -> model.Claim:
+        """Move the cursors on as the claim says (which started from `behind`), and fetch what
+        it claimed."""
         self.due_from = None if row.due_at is None else Cursor(row.due_at, row.due_id)
         self.orphans_from = None if row.orphan_at is None else Cursor(row.orphan_at, row.orphan_id)
+        if self._behind is behind:  # else the rescue found more meanwhile: the next claim uses it
+            self._behind = Behind(None, None)
         buried = tuple(
             (UUID(str(m)), int(n)) for m, n in zip(row.buried, row.buried_attempts, strict=True)
         )
@@ -230,8 +254,9 @@ class PgStore(Readings):
             return frozenset(int(i) for (i,) in await cur.fetchall())
 
     async def rescue(self) -> int:
-        """Move the cursors back to the oldest due row and expired lease left behind them, if
-        any (a commit long after its insert, a claim that rolled back); how many moved."""
+        """Look for the oldest due row and expired lease behind the cursors (a commit long after
+        its insert, a claim that rolled back); the next claim starts from what it finds. How
+        many of the two it found."""
         due_from, orphans_from = self.due_from, self.orphans_from
         if due_from is None or orphans_from is None:
             return 0  # the next claim starts from the start anyway
@@ -242,18 +267,23 @@ class PgStore(Readings):
             "orphan_id": orphans_from.id,
         }
         row = await self._one(self._q.behind, params)
-        moved = 0
-        if row.due_at is not None and self.due_from is not None:
-            self.due_from, moved = min(self.due_from, Cursor(row.due_at, row.due_id)), moved + 1
-        if row.orphan_at is not None and self.orphans_from is not None:
-            found = Cursor(row.orphan_at, row.orphan_id)
-            self.orphans_from, moved = min(self.orphans_from, found), moved + 1
-        return moved
+        due = None if row.due_at is None else Cursor(row.due_at, row.due_id)
+        orphans = None if row.orphan_at is None else Cursor(row.orphan_at, row.orphan_id)
+        if due is None and orphans is None:
+            return 0
+        self._behind = Behind(
+            _earlier(self._behind.due, due) or due,
+            _earlier(self._behind.orphans, orphans) or orphans,
+        )
+        return (due is not None) + (orphans is not None)
 
     def shift_cursors(self, seconds: float) -> None:
         """Move the cursors back by `seconds` (the interleaving tests move every stored time back
         to make time pass)."""
         back = timedelta(seconds=seconds)
+        self._behind = Behind(
+            *(None if c is None else Cursor(c.at - back, c.id) for c in self._behind)
+        )
         if self.due_from is not None:
             self.due_from = Cursor(self.due_from.at - back, self.due_from.id)
         if self.orphans_from is not None:

@@ -7,6 +7,7 @@ after the claim)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
@@ -16,6 +17,8 @@ import pytest
 
 from relay.core import model
 from relay.postgres.store import PgStore
+from tests.support.inprocess import query
+from tests.support.wait import until_async
 
 #: Rows settled behind the cursor while the horizon is pinned.
 N = 20_000
@@ -108,6 +111,41 @@ async def test_the_rescue_moves_the_cursor_back_to_a_row_left_behind(
             )
         assert (await store.claim(model.Ask(10, 30, 10))).messages == ()  # behind: unseen
         assert await store.rescue() == 1
+        (late,) = (await store.claim(model.Ask(10, 30, 10))).messages
+        assert late.routing_key == "late"
+    finally:
+        await store.close()
+
+
+async def test_a_claim_in_flight_during_the_rescue_does_not_undo_its_find(
+    database_url: str,
+) -> None:
+    """A claim that began before the rescue looked ends after it, moving the cursors on from
+    where it began: the rescue's find must survive it (it once did not, and a backlog committed
+    in one long transaction waited until a producer committed again)."""
+    store = await PgStore.open(database_url, "outbox", "rescue")
+    try:
+        assert (await store.claim(model.Ask(10, 30, 10))).messages == ()  # cursors: now
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(
+                "SELECT outbox.enqueue('x', 'late', '', available_at => now() - interval '1 hour')"
+            )
+        with psycopg.connect(database_url) as holder:
+            # The claim waits on this lock (it looks at key_checks first); the rescue does not.
+            holder.execute("LOCK outbox.key_checks IN ACCESS EXCLUSIVE MODE")
+            in_flight = asyncio.create_task(store.claim(model.Ask(10, 30, 10)))
+            waiting = (
+                "SELECT count(*) FROM pg_locks WHERE NOT granted"
+                " AND relation = 'outbox.key_checks'::regclass"
+            )
+
+            async def claim_waits() -> bool:
+                return bool((await query(database_url, waiting))[0][0])
+
+            await until_async(claim_waits, message="the claim waiting")
+            assert await store.rescue() == 1
+            holder.rollback()
+        assert (await in_flight).messages == ()  # it began from the cursor, not the find
         (late,) = (await store.claim(model.Ask(10, 30, 10))).messages
         assert late.routing_key == "late"
     finally:
