@@ -4,20 +4,43 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ssl
 import struct
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 
+def _reading(writer: asyncio.StreamWriter, on: bool) -> None:
+    """Resume or pause reading the socket under `writer` (its stream's reader shares it)."""
+    transport = writer.transport
+    if isinstance(transport, asyncio.ReadTransport):
+        if on:
+            transport.resume_reading()
+        else:
+            transport.pause_reading()
+
+
+@dataclasses.dataclass
+class _Reply:
+    """How many bytes the target has sent on one connection since its client last sent any: the
+    reply under way."""
+
+    size: int = 0
+
+
 class TcpProxy:
     """Forwards 127.0.0.1:<port> to a target. `pause()` stops forwarding in both directions (bytes
     wait in the socket buffers, as on a stalled network); `hold_on(marker)` does the same to one
-    connection only, the first whose client sends `marker`, from those bytes on; `resume()` ends
-    both. `cut()` resets every open connection and refuses new ones until `restore()`.
+    connection only, the first whose client sends `marker`, from those bytes on; `stop_replies()`
+    stops only the target's side (a client that stops reading); `resume()` ends all three.
+    `cut()` resets every open connection and refuses new ones until `restore()`.
+    `upstream_ports()` are the local ports of the connections to the target (PostgreSQL's
+    pg_stat_activity.client_port).
 
     With `tls`, it terminates TLS with that server context and forwards plain bytes: a TLS
     listener in front of a server that has none. `postgres=True` speaks PostgreSQL's way into TLS
@@ -50,6 +73,13 @@ class TcpProxy:
         self._holding: list[asyncio.Event] = []  # the held connections' own flow
         #: How many connections `hold_on` stopped (each holds the marker's bytes unsent).
         self.held = 0
+        self._replies: asyncio.Event | None = None  # set: the target's bytes are forwarded
+        self._stop_after: int | None = None  # stop_replies(longer_than=…) is armed
+        self._upstreams: set[asyncio.StreamWriter] = set()
+        #: Set once `stop_replies` took effect; `replies_stopped_at` is when it last did
+        #: (time.monotonic()).
+        self.replies_stopped = threading.Event()
+        self.replies_stopped_at: float | None = None
 
     def __enter__(self) -> TcpProxy:
         self._thread.start()
@@ -74,6 +104,19 @@ class TcpProxy:
         connection of several stalled, as by a link or a broker's flow control."""
         self._hold = marker
 
+    def stop_replies(self, *, longer_than: int | None = None) -> None:
+        """Stop reading what the target sends, on every connection (new ones too), while what
+        clients send still reaches it: the target's writes fill the socket buffers, then block,
+        as when the client process stops reading. At once; or, with `longer_than`, from the first
+        reply (what the target sent on a connection since its client last sent) that grows past
+        that many bytes — the rest of that reply is held. `replies_stopped` tells when. Until
+        `resume()`."""
+        self._call(self._stop_replies(longer_than))
+
+    def upstream_ports(self) -> list[int]:
+        """The local ports of the open connections to the target."""
+        return self._call(self._upstream_ports())
+
     def cut(self) -> None:
         self._call(self._cut())
 
@@ -91,6 +134,8 @@ class TcpProxy:
     async def _start(self) -> int:
         self._flowing = asyncio.Event()
         self._flowing.set()
+        self._replies = asyncio.Event()
+        self._replies.set()
         direct = self._tls if not self._postgres else None
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0, ssl=direct)
         return int(self._server.sockets[0].getsockname()[1])
@@ -106,13 +151,37 @@ class TcpProxy:
 
     async def _set_flowing(self, flowing: bool) -> None:
         assert self._flowing is not None
+        assert self._replies is not None
         if flowing:
             self._flowing.set()
             for held in self._holding:
                 held.set()
             self._holding.clear()
+            self._stop_after = None
+            if not self._replies.is_set():
+                self._replies.set()
+                for upstream in self._upstreams:
+                    _reading(upstream, True)
         else:
             self._flowing.clear()
+
+    async def _stop_replies(self, longer_than: int | None) -> None:
+        if longer_than is None:
+            self._halt_replies()
+        else:
+            self._stop_after = longer_than
+
+    def _halt_replies(self) -> None:
+        assert self._replies is not None
+        self._stop_after = None
+        self._replies.clear()
+        for upstream in self._upstreams:
+            _reading(upstream, False)  # not even into the proxy's own buffers
+        self.replies_stopped_at = time.monotonic()
+        self.replies_stopped.set()
+
+    async def _upstream_ports(self) -> list[int]:
+        return sorted(int(w.get_extra_info("sockname")[1]) for w in self._upstreams)
 
     async def _cut(self) -> None:
         self._refusing = True
@@ -123,6 +192,12 @@ class TcpProxy:
         self._connections.clear()
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        # A handler cancelled as the proxy stops ends quietly: asyncio's stream callback (3.11)
+        # reports a cancelled handler as an error in a callback.
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._serve(client_r, client_w)
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         if self._refusing:
             client_w.transport.abort()
             return
@@ -139,13 +214,19 @@ class TcpProxy:
             client_w.transport.abort()
             return
         self._connections.update((client_w, server_w))
+        self._upstreams.add(server_w)
+        assert self._replies is not None
+        if not self._replies.is_set():
+            _reading(server_w, False)
         mine = asyncio.Event()  # this connection's own flow (`hold_on`)
         mine.set()
+        reply = _Reply()
         await asyncio.gather(
-            self._pump(client_r, server_w, mine, watch=client_w),
-            self._pump(server_r, client_w, mine),
+            self._pump(client_r, server_w, mine, watch=client_w, reply=reply),
+            self._pump(server_r, client_w, mine, reply=reply, replying=True),
             return_exceptions=True,
         )
+        self._upstreams.discard(server_w)
         for writer in (client_w, server_w):
             self._connections.discard(writer)
             with contextlib.suppress(Exception):
@@ -180,16 +261,27 @@ class TcpProxy:
         writer: asyncio.StreamWriter,
         mine: asyncio.Event,
         watch: asyncio.StreamWriter | None = None,
+        reply: _Reply | None = None,
+        replying: bool = False,
     ) -> None:
+        """Forward `reader` to `writer`: from the client (`watch` is its writer) or, `replying`,
+        from the target (counting the reply's size in `reply`, which the client's side resets)."""
         assert self._flowing is not None
+        assert self._replies is not None
         tail = b""
         held_tail = b""
         while True:
             await self._flowing.wait()
             await mine.wait()
+            if replying:
+                await self._replies.wait()
             data = await reader.read(65536)
             if not data:
                 break
+            if reply is not None:
+                reply.size = reply.size + len(data) if replying else 0
+                if replying and self._stop_after is not None and reply.size > self._stop_after:
+                    self._halt_replies()
             if watch is not None and self._trip is not None:
                 marker, action = self._trip
                 if marker in tail + data:  # the marker may straddle two reads
@@ -208,6 +300,8 @@ class TcpProxy:
                 held_tail = (held_tail + data)[-len(self._hold or b"") :] if self._hold else b""
             await self._flowing.wait()
             await mine.wait()
+            if replying:
+                await self._replies.wait()
             writer.write(data)
             await writer.drain()
         with contextlib.suppress(Exception):
