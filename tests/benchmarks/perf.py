@@ -90,7 +90,7 @@ class Cpu:
 
     def per_thousand(self, messages: int, client: str = "relay") -> str:
         def one(seconds: float | None) -> str:
-            return "n/a" if seconds is None else f"{seconds * 1000 / messages:.2f}s"
+            return "n/a" if seconds is None else f"{seconds * 1000 / messages:.3f}s"
 
         return (
             f"CPU per 1,000: {client} {one(self.relay)}, postgres {one(self.postgres)}, "

@@ -78,6 +78,10 @@ def checkout(rev: str) -> Iterator[Path]:
         check=True,
         capture_output=True,
     )
+    perf = folder / "tests" / "benchmarks" / "perf.py"
+    # CPU per 1,000 messages with three decimals, as this checkout's perf.py prints it (older
+    # ones print two: 0.08 s against 0.10 s hides a difference of a fifth).
+    perf.write_text(perf.read_text().replace(':.2f}s"', ':.3f}s"'))
     try:
         yield folder
     finally:
