@@ -182,13 +182,17 @@ async def components(
             on_lock_retry=counters.lock_retries.inc,
         )
 
-        async def rescue() -> None:
-            await upkeep.rescue(store, counters)
-
+        rescue = upkeep.Rescue(store, counters, wake)
         # The listener and the doorbell reconnect by themselves; chores only so that a bug
         # cannot end them silently.
         supervised = [
-            chores.Chore("rescue", rescue, upkeep.RESCUE_INTERVAL, on_error=counters.chore_failed),
+            chores.Chore(
+                "rescue",
+                rescue.run_once,
+                upkeep.RESCUE_LATEST,
+                pace=lambda: rescue.next_delay,
+                on_error=counters.chore_failed,
+            ),
             relay.heartbeat,
         ]
         if listener is not None:

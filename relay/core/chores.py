@@ -14,7 +14,8 @@ log = logging.getLogger("relay.chores")  # the name log lines carry: as before t
 
 
 class Chore:
-    """Runs `run_once` every `interval` seconds until cancelled.
+    """Runs `run_once` every `interval` seconds (or, after a run that worked, as long as `pace()`
+    says) until cancelled.
 
     Any exception but cancellation is logged at ERROR with its traceback and passed to `on_error`
     (the metrics count it); the chore then runs again after a back-off that doubles from
@@ -32,10 +33,12 @@ class Chore:
         max_backoff: float = 60.0,
         on_error: Callable[[str], None] | None = None,
         wake: asyncio.Event | None = None,
+        pace: Callable[[], float] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.name = name
         self._wake = wake  # set: run again now, without waiting out the interval
+        self._pace = pace  # after a run that worked: how long until the next, else `interval`
         self._run_once = run_once
         self._interval = interval
         self._stall_after = stall_after
@@ -82,7 +85,7 @@ class Chore:
         if self.failures:
             log.info("chore %s works again after %d failures", self.name, self.failures)
             self.failures = 0
-        return self._interval
+        return self._interval if self._pace is None else self._pace()
 
     def stuck(self) -> float | None:
         """How long the run in progress has gone on, if longer than `stall_after` (a hung call);

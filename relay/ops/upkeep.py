@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+from collections.abc import Callable
 from typing import Protocol
 
 from relay.core import errors
@@ -10,11 +13,16 @@ from relay.ops import metrics
 
 log = logging.getLogger("relay.app")  # the name these lines carried before they moved here
 
-#: How often a relay looks behind its claims' cursors (docs/decisions/0004), and the longest a
-#: row that got there waits: one whose producer committed more than a second after inserting it,
-#: or whose claim rolled back after another relay's claim went past it. Each look reads the rows
-#: behind the cursors from the start: while the vacuum horizon is pinned, every dead one.
-RESCUE_INTERVAL = 30.0
+#: How often a relay looks behind its claims' cursors (docs/decisions/0004), which bounds how long
+#: a row that got there waits: one whose producer committed more than a second after inserting it
+#: (a long transaction, a bulk load), or whose claim rolled back after another relay's claim went
+#: past it. Each look reads the rows behind the cursors from the start: a few index pages
+#: normally, every dead row while the vacuum horizon is pinned. So the next look comes after
+#: 1 / RESCUE_SHARE times as long as the last one took (a pinned horizon makes it rarer, never a
+#: bigger share of a server process), within RESCUE_SOONEST and RESCUE_LATEST.
+RESCUE_SHARE = 0.01
+RESCUE_SOONEST = 1.0
+RESCUE_LATEST = 30.0
 
 
 class Rescued(Protocol):
@@ -23,13 +31,35 @@ class Rescued(Protocol):
     async def rescue(self) -> int: ...
 
 
-async def rescue(store: Rescued, counters: metrics.Metrics) -> None:
-    """One look; an outage only postpones it to the next."""
-    try:
-        moved = await store.rescue()
-    except errors.TransientError as exc:
-        log.debug("could not look for rows left behind: %s", exc)
-        return
-    counters.rescued.inc(moved)
-    if moved:
-        log.info("found rows behind the claims' cursors: the next claim starts from them")
+class Rescue:
+    """The rescue chore: `run_once()` looks once; `next_delay` is when to look again. A find
+    wakes the loop (`wake`), whose next claim starts from it."""
+
+    def __init__(
+        self,
+        store: Rescued,
+        counters: metrics.Metrics,
+        wake: asyncio.Event,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = store
+        self._counters = counters
+        self._wake = wake
+        self._clock = clock
+        self.next_delay = RESCUE_SOONEST
+
+    async def run_once(self) -> None:
+        """One look; an outage only postpones it to the next."""
+        began = self._clock()
+        try:
+            moved = await self._store.rescue()
+        except errors.TransientError as exc:
+            log.debug("could not look for rows left behind: %s", exc)
+            self.next_delay = RESCUE_LATEST
+            return
+        took = self._clock() - began
+        self.next_delay = min(RESCUE_LATEST, max(RESCUE_SOONEST, took / RESCUE_SHARE))
+        self._counters.rescued.inc(moved)
+        if moved:
+            log.info("found rows behind the claims' cursors: the next claim starts from them")
+            self._wake.set()
