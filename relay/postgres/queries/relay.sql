@@ -15,13 +15,15 @@ FROM {schema}.claim(%(request)s::{schema}.claim_request);
 -- name: fetch
 -- The claimed rows themselves, still under the claim (a page of them: the store keeps each page
 -- small enough to sit in the sockets' buffers, so a reader that stops holds nothing here either).
+-- Found by id: `IS NOT DISTINCT FROM`, not `=`, so that the planner cannot walk
+-- messages_leased_idx instead, whose dead entries a pinned vacuum horizon keeps (migration 0028).
 -- headers and properties come back as text: the relay decodes them row by row, so one row it
 -- cannot read is dead-lettered on its own.
 SELECT id, message_id, exchange, routing_key, body, headers::text AS headers,
        properties::text AS properties, ordering_key, created_at, attempts, ambiguous, last_error,
        seq, replays, replayed_at, replayed_from
 FROM {schema}.messages
-WHERE id = ANY(%(ids)s::bigint[]) AND claim_id = %(claim_id)s
+WHERE id = ANY(%(ids)s::bigint[]) AND claim_id IS NOT DISTINCT FROM %(claim_id)s::uuid
 ORDER BY id;
 
 -- name: settle
