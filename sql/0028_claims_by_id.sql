@@ -11,7 +11,293 @@
 -- name their rows by `id = ANY(…)` rather than by a join alone, whose cached generic plan was
 -- seen to walk the whole primary key.
 --
--- Upgrading: replaces two function bodies; signatures, grants and callers are unchanged.
+-- A settle that claims takes the successors it finds into the claim's UPDATE (`_claim`'s
+-- p_next), after the due rows, rather than releasing them and claiming them again: one row
+-- version per keyed message instead of two. `_successors` is `_keys_settled` without the
+-- release, which `_keys_settled` (relays of 0.1, `_bury`) still does.
+--
+-- Upgrading: replaces function bodies, and `_claim` (internal) takes a second argument; the
+-- relay-callable functions keep their signatures, grants and callers.
+
+-- After rows of some keys left `messages` (archived, dead, buried): block a key whose message
+-- died under the 'block' policy, note the pace of paced keys, and lock each settled row's
+-- successor (`held`, still gated: the caller releases it, or claims it). A successor another
+-- session holds locked is not waited for: a recheck is queued (release_stranded).
+CREATE FUNCTION _successors(p_keys text[], p_seqs bigint[], p_reasons text[],
+                            p_message_ids uuid[], OUT held bigint[], OUT blocked integer)
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_next bigint[];
+BEGIN
+    held := '{}';
+    blocked := 0;
+    IF coalesce(cardinality(p_keys), 0) = 0 THEN
+        RETURN;
+    END IF;
+    -- release_key deletes a block under FOR UPDATE: one of the two waits for the other.
+    PERFORM 1 FROM blocked_keys b WHERE b.ordering_key = ANY(p_keys)
+    ORDER BY b.ordering_key FOR KEY SHARE;
+    WITH died AS (
+        SELECT DISTINCT ON (s.ordering_key) s.ordering_key, s.message_id, s.seq, s.reason
+        FROM unnest(p_keys, p_seqs, p_reasons, p_message_ids) AS s(ordering_key, seq, reason,
+                                                                     message_id)
+        WHERE s.reason IS NOT NULL AND (key_policy(s.ordering_key)).on_dead = 'block'
+        ORDER BY s.ordering_key, s.seq
+    ), added AS (
+        INSERT INTO blocked_keys (ordering_key, message_id, seq, reason)
+        SELECT ordering_key, message_id, seq, reason FROM died ORDER BY ordering_key
+        ON CONFLICT (ordering_key) DO NOTHING
+        RETURNING 1
+    )
+    SELECT count(*) INTO blocked FROM added;
+    INSERT INTO key_releases AS r (ordering_key, settled_at)
+    SELECT DISTINCT k.ordering_key, now()
+    FROM keys k WHERE k.ordering_key = ANY(p_keys) AND k.min_interval > '0'
+    ORDER BY k.ordering_key
+    ON CONFLICT (ordering_key) DO UPDATE SET settled_at = excluded.settled_at;
+    SELECT array_agg(m.id) INTO v_next
+    FROM unnest(p_keys, p_seqs) AS s(ordering_key, seq)
+    LEFT JOIN keys k USING (ordering_key)
+    JOIN messages m ON m.ordering_key = s.ordering_key
+                   AND m.seq = s.seq + coalesce(k.concurrency, 1)
+    WHERE m.gated
+      AND NOT EXISTS (SELECT 1 FROM blocked_keys b WHERE b.ordering_key = s.ordering_key);
+    IF v_next IS NULL THEN
+        RETURN;
+    END IF;
+    held := ARRAY(SELECT m.id FROM messages m WHERE m.id = ANY(v_next)
+                  ORDER BY m.id FOR UPDATE SKIP LOCKED);
+    INSERT INTO key_checks (ordering_key, seq)
+    SELECT m.ordering_key, m.seq FROM messages m
+    WHERE m.id = ANY(v_next) AND m.id <> ALL(held);
+END;
+$$;
+
+-- Relays of 0.1 call this directly, and `_bury` does: the successors found are released.
+CREATE OR REPLACE FUNCTION _keys_settled(p_keys text[], p_seqs bigint[], p_reasons text[],
+                                         p_message_ids uuid[], OUT released integer,
+                                         OUT blocked integer)
+LANGUAGE plpgsql SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_held bigint[];
+BEGIN
+    SELECT s.held, s.blocked INTO v_held, blocked
+    FROM _successors(p_keys, p_seqs, p_reasons, p_message_ids) AS s;
+    released := _ungate(v_held);
+END;
+$$;
+
+DROP FUNCTION _claim(claim_request);
+
+-- One claim: expired leases first (from the orphan cursor), then due rows (from the due cursor,
+-- less LOOKBACK), each skipping what another session holds; leased for `lease` seconds under
+-- `claim_id`, an attempt counted. Only ids and sizes come back: the transaction ends before any
+-- row travels (the relay fetches them next), so a relay frozen while reading holds no lock.
+-- p_next: successors a settle in this transaction found (gated, locked by it); what room the due
+-- rows leave takes them, in the one UPDATE that claims them (one row version each, where a
+-- release and then a claim made two: the keyed drain's cost), and the rest are released.
+CREATE FUNCTION _claim(p claim_request, p_next bigint[] DEFAULT '{}') RETURNS claimed
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+-- An index scan in due order is the only plan whose cost does not grow with the dead rows
+-- behind the cursor (a pinned vacuum horizon keeps every one of them).
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET jit = off
+AS $$
+DECLARE
+    -- A producer's row becomes visible at its commit but is placed at its insert: a claim looks
+    -- back this far behind its cursor for rows that committed late. A row later than that (a
+    -- long transaction, a stalled WAL flush, a claim that rolled back) waits for the rescue.
+    LOOKBACK CONSTANT interval := '1 second';
+    r          claimed;
+    v_now      timestamptz := now();
+    v_from     timestamptz;
+    v_from_id  bigint;
+    v_ids      bigint[];
+    v_at       timestamptz[];
+    v_tries    integer[];
+    v_bytes    bigint[];
+    v_take     bigint[] := '{}';
+    v_sizes    bigint[] := '{}';
+    v_dead     bigint[] := '{}';
+    v_acted    integer := 0;
+    v_alone    boolean := false;
+    v_room     integer;
+    v_budget   bigint;
+    i          integer;
+BEGIN
+    IF p.max_rows IS NULL OR p.max_rows < 1 OR p.lease IS NULL OR p.lease <= 0
+       OR p.max_bytes IS NULL OR p.max_bytes < 1 OR p.max_attempts IS NULL OR p.max_attempts < 1
+       OR p.claim_id IS NULL THEN
+        RAISE EXCEPTION 'claim: claim_id, a positive max_rows, lease, max_bytes and max_attempts '
+                        'are required, not %', p
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    r := ROW(0, 0, 0, 0, 0, '{}', '{}', false, false, v_now, 0, v_now, 0, '{}', '{}');
+    -- Keyed rows a race left gated (key_checks), released first: this claim may take them.
+    IF EXISTS (SELECT 1 FROM key_checks) THEN
+        PERFORM release_stranded(100);
+    END IF;
+
+    -- Leases that ran out: their relay died or stalled.
+    SELECT array_agg(o.id ORDER BY o.available_at, o.id),
+           array_agg(o.available_at ORDER BY o.available_at, o.id),
+           array_agg(o.attempts ORDER BY o.available_at, o.id),
+           array_agg(o.bytes ORDER BY o.available_at, o.id)
+    INTO v_ids, v_at, v_tries, v_bytes
+    FROM (SELECT m.id, m.available_at, m.attempts,
+                 octet_length(m.body) + pg_column_size(m.headers)
+                     + pg_column_size(m.properties) AS bytes
+          FROM messages m
+          WHERE m.claim_id IS NOT NULL AND m.available_at <= v_now
+            AND (m.available_at, m.id)
+                >= (coalesce(p.orphan_at, '-infinity'), coalesce(p.orphan_id, 0))
+          ORDER BY m.available_at, m.id
+          LIMIT p.max_rows
+          FOR UPDATE SKIP LOCKED) AS o;
+    v_budget := p.max_bytes;
+    FOR i IN 1 .. coalesce(cardinality(v_ids), 0) LOOP
+        IF v_tries[i] >= p.max_attempts THEN
+            v_dead := v_dead || v_ids[i];
+        ELSIF v_tries[i] >= 2 THEN
+            -- Claimed and lost more than once: alone, so that it takes no other row down.
+            IF cardinality(v_take) = 0 THEN
+                v_take := ARRAY[v_ids[i]];
+                v_sizes := ARRAY[v_bytes[i]];
+                v_acted := i;
+                v_alone := true;
+            END IF;
+            EXIT;
+        ELSIF cardinality(v_take) > 0 AND v_bytes[i] > v_budget THEN
+            EXIT;
+        ELSE
+            v_take := v_take || v_ids[i];
+            v_sizes := v_sizes || v_bytes[i];
+            v_budget := v_budget - v_bytes[i];
+        END IF;
+        v_acted := i;
+    END LOOP;
+    r.alone := v_alone;
+    IF v_alone OR (v_acted > 0 AND v_acted = cardinality(v_ids) AND v_acted = p.max_rows) THEN
+        r.orphan_at := v_at[v_acted];  -- more may be waiting from here
+        r.orphan_id := v_ids[v_acted];
+        r.more := true;
+    ELSIF v_acted < coalesce(cardinality(v_ids), 0) THEN
+        r.orphan_at := v_at[v_acted + 1];
+        r.orphan_id := v_ids[v_acted + 1];
+        r.more := true;
+    END IF;
+    IF cardinality(v_dead) > 0 THEN
+        SELECT b.buried, b.attempts INTO r.buried, r.buried_attempts FROM _bury(v_dead) AS b;
+    END IF;
+
+    -- Due rows, from the cursor, or from LOOKBACK ago if the cursor is closer than that.
+    v_room := p.max_rows - cardinality(v_take);
+    IF p.due_at IS NULL THEN
+        v_from := '-infinity';
+        v_from_id := 0;
+    ELSIF p.due_at < v_now - LOOKBACK THEN
+        v_from := p.due_at;
+        v_from_id := coalesce(p.due_id, 0);
+    ELSE
+        v_from := v_now - LOOKBACK;
+        v_from_id := 0;
+    END IF;
+    IF r.more THEN
+        r.due_at := p.due_at;  -- this claim did not look: no further
+        r.due_id := p.due_id;
+    ELSE
+        SELECT array_agg(d.id ORDER BY d.available_at, d.id),
+               array_agg(d.available_at ORDER BY d.available_at, d.id),
+               array_agg(d.attempts ORDER BY d.available_at, d.id),
+               array_agg(d.bytes ORDER BY d.available_at, d.id)
+        INTO v_ids, v_at, v_tries, v_bytes
+        FROM (SELECT m.id, m.available_at, m.attempts,
+                     octet_length(m.body) + pg_column_size(m.headers)
+                         + pg_column_size(m.properties) AS bytes
+              FROM messages m
+              WHERE m.claim_id IS NULL AND NOT m.gated AND m.available_at <= v_now
+                AND (m.available_at, m.id) >= (v_from, v_from_id)
+              ORDER BY m.available_at, m.id
+              LIMIT v_room
+              FOR UPDATE SKIP LOCKED) AS d;
+        v_acted := 0;
+        v_dead := '{}';
+        FOR i IN 1 .. coalesce(cardinality(v_ids), 0) LOOP
+            IF v_tries[i] >= p.max_attempts THEN  -- max_attempts was lowered
+                v_dead := v_dead || v_ids[i];
+            ELSE
+                EXIT WHEN cardinality(v_take) > 0 AND v_bytes[i] > v_budget;
+                v_take := v_take || v_ids[i];
+                v_sizes := v_sizes || v_bytes[i];
+                v_budget := v_budget - v_bytes[i];
+            END IF;
+            v_acted := i;
+        END LOOP;
+        IF cardinality(v_dead) > 0 THEN
+            SELECT r.buried || b.buried, r.buried_attempts || b.attempts
+            INTO r.buried, r.buried_attempts
+            FROM _bury(v_dead) AS b;
+        END IF;
+        IF v_acted < coalesce(cardinality(v_ids), 0) THEN  -- cut by bytes: from the first left
+            r.due_at := v_at[v_acted + 1];
+            r.due_id := v_ids[v_acted + 1];
+            r.more := true;
+        ELSIF v_acted > 0 AND v_acted >= v_room THEN  -- cut by rows: on from the last taken
+            r.due_at := v_at[v_acted];
+            r.due_id := v_ids[v_acted];
+            r.more := true;
+        END IF;
+    END IF;
+
+    -- Successors, after the due rows (released, they would wait behind them): those a paced key
+    -- still holds back, or out of attempts, are released instead.
+    IF cardinality(p_next) > 0 THEN
+        v_room := p.max_rows - cardinality(v_take);
+        IF v_room > 0 AND NOT r.more THEN
+            SELECT array_agg(n.id ORDER BY n.id), array_agg(n.bytes ORDER BY n.id)
+            INTO v_ids, v_bytes
+            FROM (SELECT m.id, octet_length(m.body) + pg_column_size(m.headers)
+                                   + pg_column_size(m.properties) AS bytes
+                  FROM messages m
+                  WHERE m.id = ANY(p_next) AND m.gated AND m.attempts < p.max_attempts
+                    AND m.available_at <= v_now
+                    AND NOT EXISTS (SELECT 1 FROM key_releases kr JOIN keys k USING (ordering_key)
+                                    WHERE kr.ordering_key = m.ordering_key
+                                      AND kr.settled_at + k.min_interval > v_now)
+                  ORDER BY m.id
+                  LIMIT v_room) AS n;
+            FOR i IN 1 .. coalesce(cardinality(v_ids), 0) LOOP
+                EXIT WHEN cardinality(v_take) > 0 AND v_bytes[i] > v_budget;
+                v_take := v_take || v_ids[i];
+                v_sizes := v_sizes || v_bytes[i];
+                v_budget := v_budget - v_bytes[i];
+                r.released := r.released + 1;
+            END LOOP;
+        END IF;
+        r.released := r.released + _ungate(ARRAY(SELECT unnest(p_next) EXCEPT
+                                                 SELECT unnest(v_take)));
+    END IF;
+
+    -- Run even with nothing taken: its statement trigger releases what rechecks are queued.
+    UPDATE messages m
+    SET attempts = m.attempts + 1,
+        gated = false,
+        claim_id = p.claim_id,
+        claimed_by = p.claimed_by,
+        claimed_at = v_now,
+        available_at = v_now + make_interval(secs => p.lease)
+    WHERE m.id = ANY(v_take);
+    r.ids := v_take;
+    r.sizes := v_sizes;
+    RETURN r;
+END;
+$$;
 
 -- Every transition of one claim, in one transaction, fenced by the claim id; then, with
 -- p_next, the next claim (it sees what this released). Per row of p_ids: its fate ('archive';
@@ -38,6 +324,7 @@ DECLARE
     v_seqs  bigint[] := '{}';
     v_why   text[] := '{}';
     v_mids  uuid[] := '{}';
+    v_next  bigint[] := '{}';
     v_n     integer;
 BEGIN
     PERFORM _read_committed('settle');
@@ -120,15 +407,18 @@ BEGIN
         r.retried := v_n;
 
         IF cardinality(v_keys) > 0 THEN
-            SELECT s.released, s.blocked INTO r.released, r.blocked
-            FROM _keys_settled(v_keys, v_seqs, v_why, v_mids) AS s;
+            SELECT s.held, s.blocked INTO v_next, r.blocked
+            FROM _successors(v_keys, v_seqs, v_why, v_mids) AS s;
         END IF;
     END IF;
 
-    IF (p_next).claim_id IS NOT NULL THEN
+    IF (p_next).claim_id IS NULL THEN
+        r.released := _ungate(v_next);
+    ELSE
         DECLARE
-            c claimed := _claim(p_next);
+            c claimed := _claim(p_next, v_next);
         BEGIN
+            r.released := c.released;
             r.ids := c.ids;
             r.sizes := c.sizes;
             r.more := c.more;

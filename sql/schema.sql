@@ -209,9 +209,9 @@ BEGIN
 END;
 $_$;
 
--- Name: _claim(outbox.claim_request); Type: FUNCTION; Schema: outbox; Owner: -
+-- Name: _claim(outbox.claim_request, bigint[]); Type: FUNCTION; Schema: outbox; Owner: -
 
-CREATE FUNCTION outbox._claim(p outbox.claim_request) RETURNS outbox.claimed
+CREATE FUNCTION outbox._claim(p outbox.claim_request, p_next bigint[] DEFAULT '{}'::bigint[]) RETURNS outbox.claimed
     LANGUAGE plpgsql
     SET search_path TO 'outbox', 'pg_temp'
     SET enable_seqscan TO 'off'
@@ -364,9 +364,39 @@ BEGIN
         END IF;
     END IF;
 
+    -- Successors, after the due rows (released, they would wait behind them): those a paced key
+    -- still holds back, or out of attempts, are released instead.
+    IF cardinality(p_next) > 0 THEN
+        v_room := p.max_rows - cardinality(v_take);
+        IF v_room > 0 AND NOT r.more THEN
+            SELECT array_agg(n.id ORDER BY n.id), array_agg(n.bytes ORDER BY n.id)
+            INTO v_ids, v_bytes
+            FROM (SELECT m.id, octet_length(m.body) + pg_column_size(m.headers)
+                                   + pg_column_size(m.properties) AS bytes
+                  FROM messages m
+                  WHERE m.id = ANY(p_next) AND m.gated AND m.attempts < p.max_attempts
+                    AND m.available_at <= v_now
+                    AND NOT EXISTS (SELECT 1 FROM key_releases kr JOIN keys k USING (ordering_key)
+                                    WHERE kr.ordering_key = m.ordering_key
+                                      AND kr.settled_at + k.min_interval > v_now)
+                  ORDER BY m.id
+                  LIMIT v_room) AS n;
+            FOR i IN 1 .. coalesce(cardinality(v_ids), 0) LOOP
+                EXIT WHEN cardinality(v_take) > 0 AND v_bytes[i] > v_budget;
+                v_take := v_take || v_ids[i];
+                v_sizes := v_sizes || v_bytes[i];
+                v_budget := v_budget - v_bytes[i];
+                r.released := r.released + 1;
+            END LOOP;
+        END IF;
+        r.released := r.released + _ungate(ARRAY(SELECT unnest(p_next) EXCEPT
+                                                 SELECT unnest(v_take)));
+    END IF;
+
     -- Run even with nothing taken: its statement trigger releases what rechecks are queued.
     UPDATE messages m
     SET attempts = m.attempts + 1,
+        gated = false,
         claim_id = p.claim_id,
         claimed_by = p.claimed_by,
         claimed_at = v_now,
@@ -522,51 +552,11 @@ CREATE FUNCTION outbox._keys_settled(p_keys text[], p_seqs bigint[], p_reasons t
     SET search_path TO 'outbox', 'pg_temp'
     AS $$
 DECLARE
-    v_next bigint[];
     v_held bigint[];
 BEGIN
-    released := 0;
-    blocked := 0;
-    IF coalesce(cardinality(p_keys), 0) = 0 THEN
-        RETURN;
-    END IF;
-    -- release_key deletes a block under FOR UPDATE: one of the two waits for the other.
-    PERFORM 1 FROM blocked_keys b WHERE b.ordering_key = ANY(p_keys)
-    ORDER BY b.ordering_key FOR KEY SHARE;
-    WITH died AS (
-        SELECT DISTINCT ON (s.ordering_key) s.ordering_key, s.message_id, s.seq, s.reason
-        FROM unnest(p_keys, p_seqs, p_reasons, p_message_ids) AS s(ordering_key, seq, reason,
-                                                                     message_id)
-        WHERE s.reason IS NOT NULL AND (key_policy(s.ordering_key)).on_dead = 'block'
-        ORDER BY s.ordering_key, s.seq
-    ), added AS (
-        INSERT INTO blocked_keys (ordering_key, message_id, seq, reason)
-        SELECT ordering_key, message_id, seq, reason FROM died ORDER BY ordering_key
-        ON CONFLICT (ordering_key) DO NOTHING
-        RETURNING 1
-    )
-    SELECT count(*) INTO blocked FROM added;
-    INSERT INTO key_releases AS r (ordering_key, settled_at)
-    SELECT DISTINCT k.ordering_key, now()
-    FROM keys k WHERE k.ordering_key = ANY(p_keys) AND k.min_interval > '0'
-    ORDER BY k.ordering_key
-    ON CONFLICT (ordering_key) DO UPDATE SET settled_at = excluded.settled_at;
-    SELECT array_agg(m.id) INTO v_next
-    FROM unnest(p_keys, p_seqs) AS s(ordering_key, seq)
-    LEFT JOIN keys k USING (ordering_key)
-    JOIN messages m ON m.ordering_key = s.ordering_key
-                   AND m.seq = s.seq + coalesce(k.concurrency, 1)
-    WHERE m.gated
-      AND NOT EXISTS (SELECT 1 FROM blocked_keys b WHERE b.ordering_key = s.ordering_key);
-    IF v_next IS NULL THEN
-        RETURN;
-    END IF;
-    v_held := ARRAY(SELECT m.id FROM messages m WHERE m.id = ANY(v_next)
-                    ORDER BY m.id FOR UPDATE SKIP LOCKED);
+    SELECT s.held, s.blocked INTO v_held, blocked
+    FROM _successors(p_keys, p_seqs, p_reasons, p_message_ids) AS s;
     released := _ungate(v_held);
-    INSERT INTO key_checks (ordering_key, seq)
-    SELECT m.ordering_key, m.seq FROM messages m
-    WHERE m.id = ANY(v_next) AND m.id <> ALL(v_held);
 END;
 $$;
 
@@ -664,6 +654,59 @@ BEGIN
     -- PostgreSQL folds identical notifications of one transaction into one, sent at commit
     -- (never on rollback).
     PERFORM pg_notify(current_schema() || '_new', '');
+END;
+$$;
+
+-- Name: _successors(text[], bigint[], text[], uuid[]); Type: FUNCTION; Schema: outbox; Owner: -
+
+CREATE FUNCTION outbox._successors(p_keys text[], p_seqs bigint[], p_reasons text[], p_message_ids uuid[], OUT held bigint[], OUT blocked integer) RETURNS record
+    LANGUAGE plpgsql
+    SET search_path TO 'outbox', 'pg_temp'
+    AS $$
+DECLARE
+    v_next bigint[];
+BEGIN
+    held := '{}';
+    blocked := 0;
+    IF coalesce(cardinality(p_keys), 0) = 0 THEN
+        RETURN;
+    END IF;
+    -- release_key deletes a block under FOR UPDATE: one of the two waits for the other.
+    PERFORM 1 FROM blocked_keys b WHERE b.ordering_key = ANY(p_keys)
+    ORDER BY b.ordering_key FOR KEY SHARE;
+    WITH died AS (
+        SELECT DISTINCT ON (s.ordering_key) s.ordering_key, s.message_id, s.seq, s.reason
+        FROM unnest(p_keys, p_seqs, p_reasons, p_message_ids) AS s(ordering_key, seq, reason,
+                                                                     message_id)
+        WHERE s.reason IS NOT NULL AND (key_policy(s.ordering_key)).on_dead = 'block'
+        ORDER BY s.ordering_key, s.seq
+    ), added AS (
+        INSERT INTO blocked_keys (ordering_key, message_id, seq, reason)
+        SELECT ordering_key, message_id, seq, reason FROM died ORDER BY ordering_key
+        ON CONFLICT (ordering_key) DO NOTHING
+        RETURNING 1
+    )
+    SELECT count(*) INTO blocked FROM added;
+    INSERT INTO key_releases AS r (ordering_key, settled_at)
+    SELECT DISTINCT k.ordering_key, now()
+    FROM keys k WHERE k.ordering_key = ANY(p_keys) AND k.min_interval > '0'
+    ORDER BY k.ordering_key
+    ON CONFLICT (ordering_key) DO UPDATE SET settled_at = excluded.settled_at;
+    SELECT array_agg(m.id) INTO v_next
+    FROM unnest(p_keys, p_seqs) AS s(ordering_key, seq)
+    LEFT JOIN keys k USING (ordering_key)
+    JOIN messages m ON m.ordering_key = s.ordering_key
+                   AND m.seq = s.seq + coalesce(k.concurrency, 1)
+    WHERE m.gated
+      AND NOT EXISTS (SELECT 1 FROM blocked_keys b WHERE b.ordering_key = s.ordering_key);
+    IF v_next IS NULL THEN
+        RETURN;
+    END IF;
+    held := ARRAY(SELECT m.id FROM messages m WHERE m.id = ANY(v_next)
+                  ORDER BY m.id FOR UPDATE SKIP LOCKED);
+    INSERT INTO key_checks (ordering_key, seq)
+    SELECT m.ordering_key, m.seq FROM messages m
+    WHERE m.id = ANY(v_next) AND m.id <> ALL(held);
 END;
 $$;
 
@@ -1198,6 +1241,7 @@ DECLARE
     v_seqs  bigint[] := '{}';
     v_why   text[] := '{}';
     v_mids  uuid[] := '{}';
+    v_next  bigint[] := '{}';
     v_n     integer;
 BEGIN
     PERFORM _read_committed('settle');
@@ -1280,15 +1324,18 @@ BEGIN
         r.retried := v_n;
 
         IF cardinality(v_keys) > 0 THEN
-            SELECT s.released, s.blocked INTO r.released, r.blocked
-            FROM _keys_settled(v_keys, v_seqs, v_why, v_mids) AS s;
+            SELECT s.held, s.blocked INTO v_next, r.blocked
+            FROM _successors(v_keys, v_seqs, v_why, v_mids) AS s;
         END IF;
     END IF;
 
-    IF (p_next).claim_id IS NOT NULL THEN
+    IF (p_next).claim_id IS NULL THEN
+        r.released := _ungate(v_next);
+    ELSE
         DECLARE
-            c claimed := _claim(p_next);
+            c claimed := _claim(p_next, v_next);
         BEGIN
+            r.released := c.released;
             r.ids := c.ids;
             r.sizes := c.sizes;
             r.more := c.more;
