@@ -245,8 +245,9 @@ class Relay:
     async def _work(self, claim: model.Claim, claim_seconds: float) -> model.CycleReport:
         """Publish one claim's rows and settle them, claiming the next batch with the settle."""
         buried = _buried(claim)
-        if not claim.messages:
-            return buried.combine(model.CycleReport(claim_seconds=(claim_seconds,)))
+        if not claim.messages:  # nothing to send; but more may wait past what it buried
+            empty = model.CycleReport(claim_seconds=(claim_seconds,), cut_short=claim.cut_short)
+            return buried.combine(empty)
         batch = list(claim.messages)
         to_send: list[model.OutboxMessage] = []
         results: list[model.PublishResult] = []

@@ -96,7 +96,7 @@ def _message_id(message: Delivered | UUID | str) -> UUID:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Problem:
     """An ordering key's message that did not come next: a gap (some skipped), a reorder, or a
-    restart (number 1 again: the outbox forgot the key after OUTBOX_KEY_RETENTION unused)."""
+    restart (number 1 again: `outbox-relay keys forget` forgot the key while it was unused)."""
 
     key: str
     kind: str  # "gap", "reorder" or "restart"
@@ -112,8 +112,8 @@ class SequenceChecker:
     and reports what did not come next. A repeat of the last sequence is a redelivery, not a
     problem; a lower one is a reorder; a higher one than next is a gap (a message still to come
     late, dead-lettered under the `skip` policy, or lost before it reached this queue). Number 1
-    after a higher one is a restart: a key unused for OUTBOX_KEY_RETENTION is forgotten and numbered
-    from 1 again; it is reported (kind "restart") and followed from there."""
+    after a higher one is a restart: a key `outbox-relay keys forget` forgot while it was unused is
+    numbered from 1 again; it is reported (kind "restart") and followed from there."""
 
     def __init__(self) -> None:
         self._last: dict[str, int] = {}

@@ -153,6 +153,19 @@ async def test_row_claimed_past_max_attempts_is_dead_lettered_without_publishing
     assert report.buried == 1  # moved by the claim, unread
 
 
+async def test_a_claim_that_only_buried_rows_says_more_may_wait() -> None:
+    # A whole batch of rows over the limit is buried and nothing is sent; the rows behind them
+    # must not wait for the next poll: the cycle says the claim was cut short.
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    for _ in range(3):
+        store.add().attempts = 7
+    fresh = store.add()
+    report = await relay_for(store, publisher, max_attempts=3, batch_size=3).run_once()
+    assert (report.buried, report.claimed, report.cut_short) == (3, 0, True)
+    await relay_for(store, publisher, max_attempts=3, batch_size=3).run_once()
+    assert [m.message_id for m in publisher.published] == [fresh.message_id]
+
+
 async def test_a_dead_relays_rows_go_first_and_one_lost_twice_goes_alone() -> None:
     store, publisher = MemoryStore(), ScriptedPublisher()
     twice = store.add(routing_key="twice")
