@@ -102,7 +102,7 @@ async def startup(
         retry=tenacity.retry_if_exception(
             lambda exc: retry.is_transient(exc) and not isinstance(exc, errors.Refused)
         ),
-        wait=retry.reconnect_wait(maximum=5.0),
+        wait=retry.reconnect_wait(),
         stop=tenacity.stop_after_delay(within),
         sleep=lambda seconds: _unless_stopped(asyncio.sleep(seconds), stop),
         before_sleep=waiting,
@@ -260,10 +260,14 @@ async def run(
                     if until_empty:
                         drain = asyncio.create_task(_drain(parts.relay, stop), name="outbox-drain")
                         process.work = drain
-                        await lifecycle.until_stopped(drain, stop, settings.shutdown_timeout)
+                        await lifecycle.until_stopped(
+                            drain, stop, settings.shutdown_timeout, settings.lease
+                        )
                         return drain.result()
                     process.work = asyncio.create_task(parts.relay.run(stop), name="outbox-relay")
-                    await lifecycle.until_stopped(process.work, stop, settings.shutdown_timeout)
+                    await lifecycle.until_stopped(
+                        process.work, stop, settings.shutdown_timeout, settings.lease
+                    )
                 finally:
                     for task in supervised:
                         task.cancel()

@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from relay.core import logs, waiting
+from relay.core import logs, retry, waiting
 
 log = logging.getLogger("relay.chores")  # the name log lines carry: as before the folders
 
@@ -19,7 +19,8 @@ class Chore:
 
     Any exception but cancellation is logged at ERROR with its traceback and passed to `on_error`
     (the metrics count it); the chore then runs again after a back-off that doubles from
-    `interval` (at least a second) up to `max_backoff`, and a success resets it. Outages are the
+    `interval` (at least retry.FIRST_WAIT) up to `max_backoff` (retry.LONGEST_WAIT), and a success
+    resets it. Outages are the
     chores' own business: they log and ride them out, so what reaches here is a bug, a schema or
     grant problem, or bad data — worth an ERROR each time, never worth stopping the relay for."""
 
@@ -30,7 +31,7 @@ class Chore:
         interval: float,
         *,
         stall_after: float | None = None,
-        max_backoff: float = 60.0,
+        max_backoff: float = retry.LONGEST_WAIT,
         on_error: Callable[[str], None] | None = None,
         wake: asyncio.Event | None = None,
         pace: Callable[[], float] | None = None,
@@ -67,7 +68,8 @@ class Chore:
             await self._run_once()
         except Exception as exc:  # the point of a supervisor: log, count, go on
             self.failures += 1
-            delay = min(self._max_backoff, max(self._interval, 1.0) * 2.0 ** (self.failures - 1))
+            first = max(self._interval, retry.FIRST_WAIT)
+            delay = min(self._max_backoff, first * 2.0 ** (self.failures - 1))
             log.error(
                 "chore %s failed (%s: %s); trying again in %.1fs",
                 self.name,

@@ -101,13 +101,14 @@ class Keeper:
         return {c: h.ids for c, h in self._holds.items() if h.ids and now < h.until}
 
     async def confirm(self, claim_id: UUID) -> frozenset[int]:
-        """The claim's rows it may publish now. With less than half a lease of trust left (a
-        batch claimed ahead a while ago), the lease is renewed first, and only the rows the
-        renewal kept are returned. Raises DatabaseUnavailable if the database cannot say."""
+        """The claim's rows it may publish now. With less than RENEW_BELOW of a lease of trust
+        left (a batch claimed ahead a while ago), the lease is renewed first, as the heartbeat
+        would, and only the rows the renewal kept are returned. Raises DatabaseUnavailable if the
+        database cannot say."""
         hold = self._holds.get(claim_id)
         if hold is None:
             return frozenset()
-        if hold.until - self._clock() < self._lease / 2:
+        if hold.until - self._clock() < self._lease * RENEW_BELOW:
             await self._renew(claim_id, hold)
         return frozenset(self.held().get(claim_id, ()))
 

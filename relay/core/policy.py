@@ -27,7 +27,7 @@ class Options:
     max_ambiguous: int = 5
     retry_delay: float = 1.0
     retry_max_delay: float = 300.0
-    reconnect_max_delay: float = 30.0
+    reconnect_max_delay: float = retry.LONGEST_WAIT
     shutdown_grace: float = 30.0
     #: Claim the next batch while a full one is being published, so the database's work overlaps
     #: the broker's (the composition root turns it on; a cycle then leaves the next batch leased).

@@ -17,7 +17,15 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, errors.TransientError)
 
 
-def reconnect_wait(initial: float = 0.1, maximum: float = 30.0) -> tenacity.wait.wait_base:
+#: The one back-off of the relay, for every service that is down and every chore that failed:
+#: the first wait, doubling up to the longest.
+FIRST_WAIT = 0.1
+LONGEST_WAIT = 30.0
+
+
+def reconnect_wait(
+    initial: float = FIRST_WAIT, maximum: float = LONGEST_WAIT
+) -> tenacity.wait.wait_base:
     """Exponential back-off with jitter between attempts to reach a service that is down."""
     return tenacity.wait_exponential(multiplier=initial, max=maximum) + tenacity.wait_random(
         0, initial
@@ -71,7 +79,8 @@ async def reconnecting(
             # at once, a proxy): back off too, not reconnect in a tight loop.
             quick = quick + 1 if loop.time() - began < quick_loss else 0
             if quick > 1:
-                await asyncio.sleep(min(30.0, 0.1 * 2.0**quick) * random.uniform(0.5, 1.0))
+                wait = min(LONGEST_WAIT, FIRST_WAIT * 2.0**quick)
+                await asyncio.sleep(wait * random.uniform(0.5, 1.0))
 
 
 def message_delay(attempt: int, base: float, cap: float) -> float:

@@ -49,21 +49,20 @@ class Process:
         return self.watcher.readiness.ok, self.watcher.readiness.detail
 
 
-#: After the grace for confirms, how long the final settle may take (it retries through outages).
-SETTLE_MARGIN = 10.0
-
-
-async def until_stopped(work: asyncio.Task[Any], stop: asyncio.Event, grace: float) -> None:
-    """Wait for `work` (the loop) to end, or for `stop`; then give it `grace` and SETTLE_MARGIN
-    to settle what is in flight. A crash of the loop propagates."""
+async def until_stopped(
+    work: asyncio.Task[Any], stop: asyncio.Event, grace: float, margin: float
+) -> None:
+    """Wait for `work` (the loop) to end, or for `stop`; then give it `grace` for its confirms and
+    `margin` (a lease: after it the rows come back anyway) for the final settle, which retries
+    through outages. A crash of the loop propagates."""
     await waiting.done_or_set(work, stop)
     if not work.done():
         log.info("stopping: no new claims; finishing the batch in flight (up to %gs)", grace)
         try:
-            await asyncio.wait_for(work, grace + SETTLE_MARGIN)
+            await asyncio.wait_for(work, grace + margin)
         except TimeoutError:
             raise errors.RelayError(
-                f"the batch in flight could not be settled within {grace + SETTLE_MARGIN:g}s; "
+                f"the batch in flight could not be settled within {grace + margin:g}s; "
                 "its rows return to the queue when their lease ends"
             ) from None
         except asyncio.CancelledError:

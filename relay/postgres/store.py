@@ -22,8 +22,6 @@ from relay.postgres.rows import settle_params, to_message
 
 log = logging.getLogger("relay.store")
 
-#: How long an operation waits for a pooled connection before the database counts as unavailable.
-POOL_WAIT = 3.0
 #: A claimed batch's bodies, headers and properties stop growing past this (the first row is
 #: always taken). The relay holds at most two batches: one publishing, one claimed ahead.
 BATCH_MAX_BYTES = 64 * 1024 * 1024
@@ -127,11 +125,11 @@ class PgStore(Readings):
             max_size=max_size,
             open=False,
             # Waiting for a connection while the database is down only delays the relay's own
-            # back-off (and /readyz): fail fast. And give up the pool's own reconnect back-off
-            # (1 s doubling, for minutes) quickly: the next demand starts again at once, so the
-            # relay's retries, not the pool's, decide how soon it is back after an outage.
-            timeout=POOL_WAIT,
-            reconnect_timeout=POOL_WAIT,
+            # back-off (and /readyz): no longer than for a lock. And give up the pool's own
+            # reconnect back-off (1 s doubling, for minutes) as soon: the next demand starts again
+            # at once, so the relay's retries, not the pool's, decide how soon it is back.
+            timeout=lock_timeout,
+            reconnect_timeout=lock_timeout,
             kwargs={
                 "autocommit": True,
                 "application_name": f"{pg.APPLICATION_NAME} {relay_name}"[:63],

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from relay.core import chores
+from relay.core import chores, retry
 from relay.ops import lifecycle
 
 
@@ -43,12 +43,15 @@ async def test_a_failing_chore_is_logged_counted_and_backed_off_until_it_works(
     assert "works again after 2 failures" in caplog.records[-1].message
 
 
-async def test_the_back_off_is_capped_and_at_least_a_second() -> None:
+async def test_the_back_off_is_capped_and_starts_at_the_first_wait() -> None:
     async def step() -> None:
         raise RuntimeError("always")
 
-    chore = chores.Chore("fast", step, 0.1, max_backoff=8.0)
-    assert [await chore.run_once() for _ in range(6)] == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
+    chore = chores.Chore("fast", step, 0.0, max_backoff=0.8)
+    delays = [await chore.run_once() for _ in range(6)]
+    assert delays == pytest.approx([0.1, 0.2, 0.4, 0.8, 0.8, 0.8])  # retry.FIRST_WAIT doubling
+    default = chores.Chore("default", step, 0.0)
+    assert max([await default.run_once() for _ in range(12)]) == retry.LONGEST_WAIT
 
 
 async def test_run_survives_failures_and_only_cancellation_ends_it() -> None:
