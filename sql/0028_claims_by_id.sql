@@ -9,7 +9,7 @@
 -- is never NULL, but implies no index predicate: the rows are found through the primary key,
 -- at the cost of their ids alone, pinned or not. For the same reason settle's DELETE and UPDATE
 -- name their rows by `id = ANY(…)` rather than by a join alone, whose cached generic plan was
--- seen to walk the whole primary key.
+-- seen to walk the whole primary key; extend_leases locks its rows, then updates them by id.
 --
 -- A settle that claims takes the successors it finds into the claim's UPDATE (`_claim`'s
 -- p_next), after the due rows, rather than releasing them and claiming them again: one row
@@ -446,11 +446,15 @@ SET enable_seqscan = off
 SET enable_bitmapscan = off
 SET jit = off
 AS $$
+    -- Locked first, then updated by their ids: a join of the two lets the planner run the
+    -- locking scan once per row (or merge over the whole index).
+    WITH held AS MATERIALIZED (
+        SELECT id FROM messages
+        WHERE id = ANY(p_ids) AND claim_id IS NOT DISTINCT FROM p_claim_id
+        ORDER BY id FOR UPDATE SKIP LOCKED
+    )
     UPDATE messages m
     SET available_at = now() + make_interval(secs => p_lease)
-    FROM (SELECT id FROM messages
-          WHERE id = ANY(p_ids) AND claim_id IS NOT DISTINCT FROM p_claim_id
-          ORDER BY id FOR UPDATE SKIP LOCKED) AS held
-    WHERE m.id = held.id
+    WHERE m.id = ANY(ARRAY(SELECT id FROM held))
     RETURNING m.id
 $$;

@@ -909,12 +909,16 @@ CREATE FUNCTION outbox.extend_leases(p_claim_id uuid, p_ids bigint[], p_lease do
     SET enable_bitmapscan TO 'off'
     SET jit TO 'off'
     AS $$
+    -- Locked first, then updated by their ids: a join of the two lets the planner run the
+    -- locking scan once per row (or merge over the whole index).
+    WITH held AS MATERIALIZED (
+        SELECT id FROM messages
+        WHERE id = ANY(p_ids) AND claim_id IS NOT DISTINCT FROM p_claim_id
+        ORDER BY id FOR UPDATE SKIP LOCKED
+    )
     UPDATE messages m
     SET available_at = now() + make_interval(secs => p_lease)
-    FROM (SELECT id FROM messages
-          WHERE id = ANY(p_ids) AND claim_id IS NOT DISTINCT FROM p_claim_id
-          ORDER BY id FOR UPDATE SKIP LOCKED) AS held
-    WHERE m.id = held.id
+    WHERE m.id = ANY(ARRAY(SELECT id FROM held))
     RETURNING m.id
 $$;
 

@@ -121,6 +121,49 @@ def test_only_the_head_of_a_key_may_go_and_policies_widen_it(database_url: str) 
     ]
 
 
+CLAIM_ONE = (
+    "SELECT (outbox.claim(ROW(gen_random_uuid(), 'r', 30, 1, 67108864, 10, NULL, NULL, NULL,"
+    " NULL)::outbox.claim_request)).ids"
+)
+SETTLE_AND_CLAIM = (
+    "SELECT ids FROM outbox.settle((SELECT claim_id FROM outbox.messages WHERE id = %(id)s),"
+    " ARRAY[%(id)s]::bigint[], '{archive}', NULL, NULL, NULL, '{}', true,"
+    " ROW(gen_random_uuid(), 'r', 30, %(room)s, 67108864, 10, NULL, NULL, NULL,"
+    " NULL)::outbox.claim_request)"
+)
+
+
+def test_a_settle_claims_the_successor_it_frees_only_in_the_room_the_due_rows_leave(
+    database_url: str,
+) -> None:
+    # Migration 0028: the successor goes into the claim's own UPDATE (one row version), but
+    # after the due rows, as a release would have placed it; with no room it is released.
+    for room, takes_successor in ((2, False), (5, True)):
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute("DELETE FROM outbox.messages")
+            for key in ("k", "k", None, None, None):
+                conn.execute("SELECT outbox.enqueue('x', 'r', '', ordering_key => %s)", [key])
+            ((head,),) = conn.execute(CLAIM_ONE).fetchall()
+            ((ids,),) = conn.execute(SETTLE_AND_CLAIM, {"id": head[0], "room": room}).fetchall()
+            ((successor, gated, claimed, attempts),) = conn.execute(
+                "SELECT id, gated, claim_id IS NOT NULL, attempts FROM outbox.messages"
+                " WHERE ordering_key = 'k'"
+            ).fetchall()
+            unkeyed = [
+                r
+                for (r,) in conn.execute(
+                    "SELECT id FROM outbox.messages WHERE ordering_key IS NULL ORDER BY id"
+                ).fetchall()
+            ]
+        assert not gated
+        if takes_successor:
+            assert ids == [*unkeyed, successor]
+            assert (claimed, attempts) == (True, 1)
+        else:
+            assert ids == unkeyed[:2]
+            assert (claimed, attempts) == (False, 0)
+
+
 SETTLE_HEAD = """
 WITH gone AS (DELETE FROM outbox.messages WHERE ordering_key = 'raced' AND seq = 1
               RETURNING message_id, ordering_key, seq)
