@@ -585,3 +585,20 @@ def test_an_expired_lease_taken_while_a_batch_of_one_is_claimed_ahead_claims_no_
         assert len({s.message_id for s in world.ledger.sends}) == 4
     finally:
         world.close()
+
+
+def test_a_successor_its_settle_has_no_room_for_is_released_and_sent_once_by_another(
+    world: World,
+) -> None:
+    # Migration 0028: a settle's claim takes the successor it frees only in the room the due rows
+    # leave. Here they fill a's next batch, so k#2 is released, not claimed: b takes it, once,
+    # after k#1, while a sends the unkeyed rows.
+    a, b = world.relays
+    world.commit_now("k", "k")
+    world.grant(world.until(a, "claim"))  # k#1 alone: k#2 is gated
+    world.commit_now(None, None, None)  # three due rows: a full batch behind k#1
+    world.grant(world.until(a, "settle"))  # archives k#1, claims the three, releases k#2
+    world.grant(world.until(b, "claim"))
+    world.grant(world.until(b, "publish"), "ack")
+    assert sent(world, "k") == [(1, 1, a.name), (2, 1, b.name)]
+    assert world.finish() == []
