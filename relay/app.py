@@ -34,7 +34,7 @@ from relay.ops import lifecycle, metrics, upkeep
 from relay.ops.probes import Probes
 from relay.ops.probes import listen as probes_listen
 from relay.ops.retention import Pruner
-from relay.ops.watch import READINESS_INTERVAL, Watcher
+from relay.ops.watch import Watcher
 from relay.postgres import migrate
 from relay.postgres.admin import Admin
 from relay.postgres.doorbell import Doorbell
@@ -57,6 +57,7 @@ def options(settings: config.Settings) -> loop.Options:
         retry_max_delay=settings.retry_max_delay,
         shutdown_grace=settings.shutdown_timeout,
         prefetch=True,
+        confirm_timeout=settings.confirm_timeout,
     )
 
 
@@ -182,24 +183,28 @@ async def components(
             on_lock_retry=counters.lock_retries.inc,
         )
 
-        rescue = upkeep.Rescue(store, counters, wake)
+        rescue = upkeep.Rescue(store, counters, wake, soonest=settings.poll_interval)
         # The listener and the doorbell reconnect by themselves; chores only so that a bug
         # cannot end them silently.
         supervised = [
             chores.Chore(
                 "rescue",
                 rescue.run_once,
-                upkeep.RESCUE_LATEST,
+                retry.LONGEST_WAIT,
                 pace=lambda: rescue.next_delay,
                 on_error=counters.chore_failed,
             ),
             relay.heartbeat,
         ]
+        # Their runs end only by a bug: then again after a poll (a failure backs off, doubling).
+        again = settings.poll_interval
         if listener is not None:
-            listening = chores.Chore("listener", listener.run, 1.0, on_error=counters.chore_failed)
+            listening = chores.Chore(
+                "listener", listener.run, again, on_error=counters.chore_failed
+            )
             supervised.insert(0, listening)
         if doorbell is not None:
-            ringing = chores.Chore("doorbell", doorbell.run, 1.0, on_error=counters.chore_failed)
+            ringing = chores.Chore("doorbell", doorbell.run, again, on_error=counters.chore_failed)
             supervised.insert(1, ringing)
         background = [
             asyncio.create_task(chore.run(), name=f"outbox-{chore.name}")
@@ -286,8 +291,8 @@ def _chores(settings: config.Settings, parts: Components, watcher: Watcher) -> l
         chores.Chore(
             "watcher",
             watcher.run_once,
-            READINESS_INTERVAL,
-            stall_after=max(60.0, settings.stats_interval * 4),
+            settings.poll_interval,  # readiness follows an outage as fast as the loop sees it
+            stall_after=options(settings).stalled_after,
             on_error=failed,
         )
     ]
@@ -310,8 +315,7 @@ def _watcher(settings: config.Settings, parts: Components) -> Watcher:
         stats_interval=settings.stats_interval,
         xmin_warning=settings.xmin_warning,
         schema_version=len(migrate.discover()),
-        # Longer than any wait the loop makes on purpose (reconnect back-off, a slow confirm).
-        stall_after=max(60.0, 3 * (settings.poll_interval + settings.confirm_timeout) + 30),
+        stall_after=options(settings).stalled_after,
     )
 
 

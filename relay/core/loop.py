@@ -56,7 +56,7 @@ class Relay:
             "leases",
             self.leases.run_once,
             options.heartbeat,
-            stall_after=options.lease * 3,
+            stall_after=options.stalled_after,
             on_error=on_chore_error,
         )
         #: For /livez: the loop is cycling, or waiting on purpose.

@@ -32,6 +32,17 @@ class Options:
     #: Claim the next batch while a full one is being published, so the database's work overlaps
     #: the broker's (the composition root turns it on; a cycle then leaves the next batch leased).
     prefetch: bool = False
+    #: One liveness rule for every part /livez watches (the loop, the heartbeat, the watcher): a
+    #: part is hung once it has not moved for this long. Longer than any wait one makes on purpose
+    #: (a reconnect back-off, a confirm, a lease, a poll), twice over; 60 s at least. A hung
+    #: heartbeat is safe meanwhile: its leases lapse and `valid` stops their publishing.
+    confirm_timeout: float = 10.0
+
+    @property
+    def stalled_after(self) -> float:
+        """How long a part of the relay may go without moving before /livez calls it hung."""
+        waits = retry.LONGEST_WAIT + self.confirm_timeout + self.lease + self.poll_interval
+        return max(60.0, 2 * waits)
 
     @property
     def heartbeat(self) -> float:

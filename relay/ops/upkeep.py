@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from relay.core import errors
+from relay.core import errors, retry
 from relay.ops import metrics
 
 log = logging.getLogger("relay.app")  # the name these lines carried before they moved here
@@ -19,10 +19,10 @@ log = logging.getLogger("relay.app")  # the name these lines carried before they
 #: past it. Each look reads the rows behind the cursors from the start: a few index pages
 #: normally, every dead row while the vacuum horizon is pinned. So the next look comes after
 #: 1 / RESCUE_SHARE times as long as the last one took (a pinned horizon makes it rarer, never a
-#: bigger share of a server process), within RESCUE_SOONEST and RESCUE_LATEST.
+#: bigger share of a server process): no sooner than the loop's own poll (a find only wakes the
+#: loop), no later than the relay's longest back-off (`retry.LONGEST_WAIT`, also the wait after
+#: an outage).
 RESCUE_SHARE = 0.01
-RESCUE_SOONEST = 1.0
-RESCUE_LATEST = 30.0
 
 
 class Rescued(Protocol):
@@ -40,13 +40,15 @@ class Rescue:
         store: Rescued,
         counters: metrics.Metrics,
         wake: asyncio.Event,
+        soonest: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store = store
+        self._soonest = soonest
         self._counters = counters
         self._wake = wake
         self._clock = clock
-        self.next_delay = RESCUE_SOONEST
+        self.next_delay = soonest
 
     async def run_once(self) -> None:
         """One look; an outage only postpones it to the next."""
@@ -55,10 +57,10 @@ class Rescue:
             moved = await self._store.rescue()
         except errors.TransientError as exc:
             log.debug("could not look for rows left behind: %s", exc)
-            self.next_delay = RESCUE_LATEST
+            self.next_delay = retry.LONGEST_WAIT
             return
         took = self._clock() - began
-        self.next_delay = min(RESCUE_LATEST, max(RESCUE_SOONEST, took / RESCUE_SHARE))
+        self.next_delay = min(retry.LONGEST_WAIT, max(self._soonest, took / RESCUE_SHARE))
         self._counters.rescued.inc(moved)
         if moved:
             log.info("found rows behind the claims' cursors: the next claim starts from them")

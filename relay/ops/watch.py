@@ -12,9 +12,6 @@ from relay.ops import metrics
 
 log = logging.getLogger("relay.watch")  # the name log lines carry: as before the folders
 
-#: How often readiness (database, broker, schema) is re-checked; the gauges have their own interval.
-READINESS_INTERVAL = 2.0
-
 
 @dataclasses.dataclass
 class Verdict:

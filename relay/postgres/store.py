@@ -90,7 +90,6 @@ class PgStore(Readings):
         schema: str,
         relay_name: str,
         *,
-        connect_timeout: float = 10.0,
         lock_timeout: float = 5.0,
         max_size: int = 3,
         synchronous_commit: bool = True,
@@ -101,9 +100,9 @@ class PgStore(Readings):
         Claims are always durable before they return; without `synchronous_commit`, settles do
         not wait for the WAL flush (unless they record a re-send). No statement waits for a lock,
         or holds a transaction open while the relay does not answer, longer than `lock_timeout`
-        seconds. `pooled`: `conninfo` goes through a transaction-mode pooler, so no prepared
-        statements, and the session settings the relay needs must be the role's (ConfigError if
-        they are not)."""
+        seconds; connecting waits as long. `pooled`: `conninfo` goes through a transaction-mode
+        pooler, so no prepared statements, and the session settings the relay needs must be the
+        role's (ConfigError if they are not)."""
         values.check_identifier(schema)
         q = sql.load(schema)
         with translate_errors(schema):
@@ -111,7 +110,7 @@ class PgStore(Readings):
             probe = await psycopg.AsyncConnection.connect(
                 conninfo,
                 autocommit=True,
-                connect_timeout=max(1, round(connect_timeout)),
+                connect_timeout=max(1, round(lock_timeout)),
                 **pg.options(pooled),
             )
             try:
@@ -142,7 +141,7 @@ class PgStore(Readings):
         )
         try:
             with translate_errors(schema):
-                await pool.open(wait=True, timeout=connect_timeout)
+                await pool.open(wait=True, timeout=lock_timeout)
             store = cls(pool, schema, relay_name, batch_max_bytes, synchronous_commit)
             await store.schema_version()
         except BaseException:

@@ -107,3 +107,20 @@ class _AliveWatcher:
 
     def liveness(self) -> _AliveWatcher._Verdict:
         return self._Verdict()
+
+
+def test_one_liveness_rule_covers_the_loop_the_heartbeat_and_the_watcher() -> None:
+    """Twice the longest wait a relay makes on purpose, for every part /livez watches: a
+    heartbeat renewing a 10-s lease is no more "hung" at 31 s than a loop in a 30-s back-off."""
+    from relay import app
+    from relay.core import config, loop
+    from relay.core.policy import Options
+
+    assert Options().stalled_after == 2 * (retry.LONGEST_WAIT + 10.0 + 10.0 + 1.0)
+    assert Options(lease=120.0).stalled_after == 2 * (retry.LONGEST_WAIT + 10.0 + 120.0 + 1.0)
+    assert Options(lease=1.0, confirm_timeout=1.0, poll_interval=0.1).stalled_after == 64.2
+    settings = config.load(database_url="postgresql://x/y", amqp_url="amqp://x/", lease=60.0)
+    options = app.options(settings)
+    assert options.stalled_after == 2 * (retry.LONGEST_WAIT + settings.confirm_timeout + 61.0)
+    relay = loop.Relay(None, None, options)  # type: ignore[arg-type]
+    assert relay.heartbeat._stall_after == options.stalled_after

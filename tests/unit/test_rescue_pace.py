@@ -8,7 +8,7 @@ import asyncio
 import prometheus_client
 import pytest
 
-from relay.core import chores, errors
+from relay.core import chores, errors, retry
 from relay.ops import metrics, upkeep
 
 
@@ -41,7 +41,7 @@ def rescue() -> tuple[upkeep.Rescue, Store, asyncio.Event]:
     store = Store(clock)
     wake = asyncio.Event()
     counters = metrics.Metrics(prometheus_client.CollectorRegistry())
-    return upkeep.Rescue(store, counters, wake, clock=clock), store, wake
+    return upkeep.Rescue(store, counters, wake, soonest=1.0, clock=clock), store, wake
 
 
 async def test_the_next_look_waits_a_hundred_times_the_last_within_bounds() -> None:
@@ -51,7 +51,7 @@ async def test_the_next_look_waits_a_hundred_times_the_last_within_bounds() -> N
         store.took = took
         await chore.run_once()
         waits.append(chore.next_delay)
-    assert waits == pytest.approx([upkeep.RESCUE_SOONEST, 5.0, 20.0, upkeep.RESCUE_LATEST])
+    assert waits == pytest.approx([1.0, 5.0, 20.0, retry.LONGEST_WAIT])
 
 
 async def test_a_find_wakes_the_loop_and_nothing_found_does_not() -> None:
@@ -67,7 +67,7 @@ async def test_an_outage_postpones_the_next_look_the_longest() -> None:
     chore, store, wake = rescue()
     store.fails = errors.DatabaseUnavailable("down")
     await chore.run_once()
-    assert chore.next_delay == upkeep.RESCUE_LATEST
+    assert chore.next_delay == retry.LONGEST_WAIT
     assert not wake.is_set()
 
 
@@ -75,6 +75,6 @@ async def test_the_supervisor_waits_as_the_pace_says() -> None:
     chore, store, _ = rescue()
     store.took = 0.05
     supervised = chores.Chore(
-        "rescue", chore.run_once, upkeep.RESCUE_LATEST, pace=lambda: chore.next_delay
+        "rescue", chore.run_once, retry.LONGEST_WAIT, pace=lambda: chore.next_delay
     )
     assert await supervised.run_once() == pytest.approx(5.0)
