@@ -500,6 +500,8 @@ def main() -> None:
         "DIR/<scenario>-*.txt, for speedscope or flamegraph.pl",
     )
     args = parser.parse_args()
+    if args.phases and min(args.phases) < 5:
+        parser.error("--phases: each phase needs 5 seconds at least, to have latencies to report")
     PROFILE = args.profile
     only = set(args.only)
     scale = 10 if args.quick else 1

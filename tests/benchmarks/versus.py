@@ -126,7 +126,8 @@ def main() -> None:
         for pair in range(args.pairs):
             order = ["this", args.against] if pair % 2 == 0 else [args.against, "this"]
             for who in order:
-                got = run(trees[who], perf, logs / f"pair{pair + 1}-{who}.txt")
+                label = re.sub(r"[^\w.-]", "_", who)  # a branch's "/" is no file name
+                got = run(trees[who], perf, logs / f"pair{pair + 1}-{label}.txt")
                 print(f"pair {pair + 1}, {who}: {len(got)} figures", flush=True)
                 for name, value in got.items():
                     seen[name][who].append(value)
