@@ -24,10 +24,11 @@ log = logging.getLogger("relay.leases")  # the name log lines carry: as before t
 
 #: The share of a lease a hold is trusted for, from the moment its claim or renewal was sent.
 TRUST = 0.9
-#: A heartbeat (every third of a lease) renews only holds with less than this share of a lease of
-#: trust left: the next heartbeat comes in time for the rest, and a batch claimed moments ago is
-#: not rewritten for nothing (each renewal leaves a dead version of every row it extends).
-RENEW_BELOW = 2 / 3
+#: Heartbeats per lease. Each renews only the holds that would not last two more beats (less than
+#: (BEATS - 1) / BEATS of a lease of trust left): the next beat comes in time for the rest, and a
+#: batch claimed moments ago is not rewritten for nothing (each renewal leaves a dead version of
+#: every row it extends). Three: a renewal may fail, or come late, once and its rows still hold.
+BEATS = 3
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -45,6 +46,9 @@ class Keeper:
     ) -> None:
         self._store = store
         self._lease = lease
+        self._renew_below = lease * (BEATS - 1) / BEATS
+        #: How often `run_once` should run.
+        self.heartbeat = lease / BEATS
         self._clock = clock
         self._holds: dict[UUID, _Hold] = {}
         #: The next batch, claimed while this one is published (or with its settle): at most one.
@@ -101,23 +105,23 @@ class Keeper:
         return {c: h.ids for c, h in self._holds.items() if h.ids and now < h.until}
 
     async def confirm(self, claim_id: UUID) -> frozenset[int]:
-        """The claim's rows it may publish now. With less than RENEW_BELOW of a lease of trust
-        left (a batch claimed ahead a while ago), the lease is renewed first, as the heartbeat
-        would, and only the rows the renewal kept are returned. Raises DatabaseUnavailable if the
-        database cannot say."""
+        """The claim's rows it may publish now. With less trust left than two heartbeats (a batch
+        claimed ahead a while ago), the lease is renewed first, as the heartbeat would, and only
+        the rows the renewal kept are returned. Raises DatabaseUnavailable if the database
+        cannot say."""
         hold = self._holds.get(claim_id)
         if hold is None:
             return frozenset()
-        if hold.until - self._clock() < self._lease * RENEW_BELOW:
+        if hold.until - self._clock() < self._renew_below:
             await self._renew(claim_id, hold)
         return frozenset(self.held().get(claim_id, ()))
 
     async def run_once(self) -> None:
-        """Renew every hold with less than RENEW_BELOW of a lease of trust left. A hold the
+        """Renew every hold with less trust left than two heartbeats. A hold the
         database cannot be asked about keeps its old term and so lapses by itself if the outage
         lasts; a lost row is logged and let go."""
         failed: list[str] = []
-        soon = self._clock() + self._lease * RENEW_BELOW
+        soon = self._clock() + self._renew_below
         for claim_id, hold in list(self._holds.items()):
             if hold.until >= soon:
                 continue

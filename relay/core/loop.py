@@ -55,7 +55,7 @@ class Relay:
         self.heartbeat = chores.Chore(
             "leases",
             self.leases.run_once,
-            options.heartbeat,
+            self.leases.heartbeat,
             stall_after=options.stalled_after,
             on_error=on_chore_error,
         )

@@ -44,11 +44,6 @@ class Options:
         waits = retry.LONGEST_WAIT + self.confirm_timeout + self.lease + self.poll_interval
         return max(60.0, 2 * waits)
 
-    @property
-    def heartbeat(self) -> float:
-        """How often the relay renews what it holds: three chances before a lease runs out."""
-        return self.lease / 3
-
 
 def plan(
     published: Sequence[model.OutboxMessage],

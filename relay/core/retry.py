@@ -32,10 +32,6 @@ def reconnect_wait(
     )
 
 
-#: A connection lost this soon (seconds) after it was made counts as lost at once.
-QUICK_LOSS = 5.0
-
-
 class Lost(Exception):
     """A connection that worked has ended: connect again at once, and back off from the start."""
 
@@ -44,13 +40,14 @@ async def reconnecting(
     serve: Callable[[], Awaitable[object]],
     failed: Callable[[BaseException | None], None],
     lost: Callable[[Lost], None],
-    quick_loss: float = QUICK_LOSS,
+    quick_loss: float = LONGEST_WAIT,
 ) -> None:
     """Run `serve` (which connects, then serves until its connection ends) until cancelled.
     Transient failures to connect are retried with `reconnect_wait`, calling `failed` before each
     wait; a connection that worked and ended (`serve` raises `Lost`) calls `lost` and starts the
     back-off again from its shortest wait — a process that outlives many outages still comes back
-    within a fraction of a second of the next."""
+    within a fraction of a second of the next. A connection that did not outlive `quick_loss`
+    seconds (the longest back-off) counts as lost at once: those back off too."""
     loop = asyncio.get_running_loop()
     quick = 0  # connections in a row that ended within `quick_loss` seconds of being made
     while True:

@@ -17,12 +17,10 @@ log = logging.getLogger("relay.doorbell")
 #: Its session is `idle in transaction` for as long as its relay sleeps (with no xid and no
 #: snapshot: it pins nothing); a monitor that alerts on such sessions can leave this name out.
 APPLICATION_NAME = f"{pg.APPLICATION_NAME} doorbell"
-#: How often a cancel of an arm no longer wanted is sent again: one that reaches the server
-#: between the transaction's BEGIN and the lock's statement is ignored.
-CANCEL_EVERY = 0.1
-#: TCP keepalives of the session (seconds), both ends: a connection a NAT dropped while the relay
-#: slept is noticed in about a minute, and the server lets go of the lock it held.
-KEEPALIVE_IDLE, KEEPALIVE_INTERVAL = 30, 10
+#: TCP keepalives of the session, both ends: a probe after this many idle seconds, then one as
+#: often. A connection a NAT dropped while the relay slept is noticed within about two minutes
+#: (the system's probe count, 9 on Linux), and the server lets go of the lock it held.
+KEEPALIVE = 10
 
 
 class Doorbell:
@@ -78,13 +76,13 @@ class Doorbell:
                 application_name=APPLICATION_NAME,
                 prepare_threshold=None,  # a prepared statement's portal would keep a snapshot
                 keepalives=1,
-                keepalives_idle=KEEPALIVE_IDLE,
-                keepalives_interval=KEEPALIVE_INTERVAL,
+                keepalives_idle=KEEPALIVE,
+                keepalives_interval=KEEPALIVE,
             )
         try:
             with translate_errors(self._schema):
                 await conn.execute(self._q.use_doorbell)
-                await conn.execute(self._q.doorbell_session)
+                await conn.execute(self._q.doorbell_session, {"keepalive": str(KEEPALIVE)})
                 if conn.info.server_version >= 140000:
                     await conn.execute(self._q.no_idle_session_timeout)
                 if conn.info.server_version >= 170000:
@@ -130,7 +128,9 @@ class Doorbell:
             await waiting.done_or_set(locking, self._unwanted)
             while not locking.done():
                 await conn.cancel_safe()
-                await asyncio.wait({locking}, timeout=CANCEL_EVERY)
+                # Again after a while: a cancel that reaches the server between the
+                # transaction's BEGIN and the lock's statement is ignored.
+                await asyncio.wait({locking}, timeout=retry.FIRST_WAIT)
         finally:
             # Left by a cancel or a failed cancel_safe: it must end before its connection closes
             # (a socket psycopg still watches, closed, could pass its number to the next one).

@@ -23,7 +23,7 @@ class Listener:
         conninfo: str,
         schema: str,
         wake: asyncio.Event,
-        quick_loss: float = retry.QUICK_LOSS,
+        quick_loss: float = retry.LONGEST_WAIT,
     ) -> None:
         self._conninfo = conninfo
         self._quick_loss = quick_loss  # a loss this soon after connecting backs off (retry)

@@ -100,8 +100,8 @@ SELECT {schema}.arm_doorbell();
 -- that the lock does not outlive it by hours (no effect over a Unix socket).
 SELECT set_config('lock_timeout', '0', false), set_config('statement_timeout', '0', false),
        set_config('idle_in_transaction_session_timeout', '0', false),
-       set_config('tcp_keepalives_idle', '30', false),
-       set_config('tcp_keepalives_interval', '10', false);
+       set_config('tcp_keepalives_idle', %(keepalive)s, false),
+       set_config('tcp_keepalives_interval', %(keepalive)s, false);
 
 -- name: no_idle_session_timeout
 -- PostgreSQL 14's idle_session_timeout would end the doorbell's session between two arms, and the
