@@ -61,8 +61,9 @@ def console() -> Console:
 
 
 def record(item: Any) -> dict[str, Any]:
-    """A dataclass as JSON-ready values, by the one convention of every `--json` (README,
-    Operating it): times in ISO 8601 UTC, ids as text, nothing as null, bytes left out."""
+    """A dataclass as JSON-ready values, by the one convention of every `--json`
+    (docs/guides/operations.md): times in ISO 8601 UTC, ids as text, nothing as null, bytes left
+    out."""
     return {k: _json(v) for k, v in dataclasses.asdict(item).items() if not isinstance(v, bytes)}
 
 

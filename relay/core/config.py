@@ -89,7 +89,7 @@ class _Database(BaseSettings):
 
 
 class Settings(_Database):
-    """Every knob of the relay. Field descriptions are the README's settings table."""
+    """Every knob of the relay. Field descriptions are docs/reference/settings.md."""
 
     listen_url: SecretStr | None = Field(
         None,
@@ -201,7 +201,7 @@ class Settings(_Database):
         description="Whether the relay's settles wait for the WAL flush (its claims always "
         "do). Off by default: losing a settle in a database crash only makes the relay send "
         "again what the broker already confirmed, under a new, counted claim; no message is "
-        "lost (README, Performance).",
+        "lost (docs/guides/how-it-works.md).",
     )
     metrics_host: str = Field(
         "0.0.0.0",  # noqa: S104  # scraped from other hosts by default; narrow it with this setting

@@ -102,8 +102,8 @@ def replay_lake(
     bar: Callable[[int], AbstractContextManager[replay.Progress]] = _no_bar,
     spark: SparkSession | None = None,
 ) -> replay.Outcome:
-    """Replay the lake's archived messages `selection` takes into the outbox (README, "Replaying
-    history from the lake"); what this run found to do and did (a dry run: found).
+    """Replay the lake's archived messages `selection` takes into the outbox
+    (docs/guides/replay-from-lake.md); what this run found to do and did (a dry run: found).
 
     A replay is known by `name` (default: made from `given`, the options as the caller was given
     them, else from `selection`). Run again, it goes on after its last batch with the selection

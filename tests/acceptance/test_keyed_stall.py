@@ -1,6 +1,6 @@
 """Per-key order holds when the relay's broker connection stalls past the confirm timeout.
 
-The promise (README, Guarantees: Order): copies can repeat a message, never overtake one —
+The promise (docs/guides/guarantees.md, Order): copies can repeat a message, never overtake one —
 nothing of a key reaches the consumer after its successor did, duplicates included. A connection
 held by the network or by a broker's flow control for longer than the confirm timeout, then let
 go, delivers what it held late; a relay may not by then have sent that message again elsewhere

@@ -53,7 +53,6 @@ def test_the_wheel_carries_migrations_queries_and_type_hints(wheel: Path) -> Non
     assert "dev" not in extras  # the project's tools are a dependency group, not a user's extra
     fields = zipfile.ZipFile(wheel).read(metadata).decode().splitlines()
     assert f"Version: {relay.__version__}" in fields  # one source: relay/__init__.py
-    assert any(line.startswith("Project-URL: Source, ") for line in fields)
     assert any(line.startswith("Requires-Dist: aiormq") for line in fields)
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
 

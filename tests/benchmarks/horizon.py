@@ -24,7 +24,7 @@ and delivered rates against the offered load, and the exact dead tuples of every
 the phase's end (`pgstattuple`; `n_dead_tup` overstates). Dead tuples are also sampled every
 15 s (the archive and dead tables, which only grow, at phase ends only: scanning a growing
 archive every few seconds would measure the scan). `--json FILE` keeps the timeline for
-`tests/benchmarks/plot.py`, which draws the README's chart.
+`tests/benchmarks/plot.py`, which draws the pinned scenario's chart.
 """
 
 from __future__ import annotations

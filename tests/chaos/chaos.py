@@ -216,7 +216,7 @@ class Producers:
             conn.commit()
         except psycopg.errors.SerializationFailure:
             conn.rollback()  # the application retries its transaction (never the outbox's fault
-            with self._lock:  # at READ COMMITTED; README, Isolation levels)
+            with self._lock:  # at READ COMMITTED; docs/guides/ordering-keys.md, Isolation levels)
                 self.retries += 1
             return
         with self._lock:

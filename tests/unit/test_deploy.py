@@ -471,6 +471,32 @@ def test_compose_services_reference_what_exists() -> None:
             assert set(service["environment"]) <= known_settings
 
 
+def test_compose_publishes_every_port_on_loopback_only() -> None:
+    """Grafana lets anonymous viewers in, and the servers have well-known passwords: nothing of
+    the compose file may listen beyond this machine."""
+    for name, service in compose()["services"].items():
+        for port in service.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} on every interface"
+
+
+def test_the_image_carries_the_licence() -> None:
+    dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text(encoding="utf-8")
+    assert "COPY pyproject.toml README.md LICENSE ./" in dockerfile  # into the wheel's dist-info
+    assert "COPY LICENSE /usr/share/doc/outbox-relay/LICENSE" in dockerfile
+
+
+def test_hosts_run_one_install_as_one_user_that_the_unit_says_how_to_create() -> None:
+    unit = (DEPLOY / "systemd" / "outbox-relay.service").read_text(encoding="utf-8")
+    assert "User=outbox-relay" in unit
+    assert "#   useradd --system --no-create-home --shell /usr/sbin/nologin outbox-relay" in unit
+    assert "ExecStart=/opt/outbox-relay/bin/outbox-relay run" in unit
+    for cron in sorted((DEPLOY / "cron").iterdir()):
+        line = next(x for x in cron.read_text(encoding="utf-8").splitlines() if x[:1].isdigit())
+        fields = line.split(None, 6)
+        assert fields[5] == "outbox-relay", f"{cron.name} runs as {fields[5]}"
+        assert "/opt/outbox-relay/bin/outbox-relay " in fields[6], cron.name
+
+
 def test_relay_replicas_wait_for_migrations() -> None:
     relay = compose()["services"]["relay"]
     assert relay["depends_on"]["migrate"] == {"condition": "service_completed_successfully"}

@@ -10,7 +10,7 @@
 -- The holder also turns off, for its own transaction only, a server's
 -- idle_in_transaction_session_timeout, which would otherwise end it (and the lock with it) while
 -- the work runs. (PgBouncer's own idle_transaction_timeout, off by default, must stay above the
--- longest run: README, "Behind PgBouncer".)
+-- longest run: docs/guides/pgbouncer.md.)
 
 -- name: try_lock
 SELECT pg_try_advisory_xact_lock(hashtextextended(%(name)s, 0))
