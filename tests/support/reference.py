@@ -1,7 +1,7 @@
 """docs/reference/, generated from the code: the settings model, the click commands, the metric
-definitions and the SQL API (the functions roles.sql grants, their signatures as sql/schema.sql
-gives them, and their COMMENTs). `tests/unit/test_reference.py` fails when a page and the code
-disagree; write them again with
+definitions, the alert rules, and the SQL API (the functions roles.sql grants, their signatures
+as sql/schema.sql gives them, and their COMMENTs). `tests/unit/test_docs.py` fails when a page
+and the code disagree; write them again with
 
     .venv/bin/python -m tests.support.reference
 """
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import click
 import prometheus_client
+import yaml
 from pydantic import SecretStr
 
 from relay.cli import commands as cli
@@ -176,11 +177,34 @@ def sql_api() -> str:
     return HEADER + "\n".join(out)
 
 
+def alerts() -> str:
+    rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yml").read_text("utf-8"))
+    out = [
+        "# Alerts",
+        "",
+        "`deploy/prometheus/alerts.yml` (and the same rules as a `PrometheusRule` in "
+        "`deploy/kubernetes/prometheusrule.yaml`). Each says what to do in its `runbook`.",
+        "",
+        "| Alert | Severity | For | When | What to do |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            notes = rule["annotations"]
+            out.append(
+                f"| `{rule['alert']}` | {rule['labels']['severity']} | {rule.get('for', '')} "
+                f"| {_cell(notes['summary'])} | {_cell(notes['runbook'])} |"
+            )
+    out.append("")
+    return HEADER + "\n".join(out)
+
+
 PAGES = {
     "settings.md": settings,
     "commands.md": commands,
     "metrics.md": metric_table,
     "sql.md": sql_api,
+    "alerts.md": alerts,
 }
 
 
