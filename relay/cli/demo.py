@@ -38,6 +38,7 @@ async def run(
     consumer receives; stop after `count` committed messages arrive (or on Ctrl-C / SIGTERM).
     Returns True when every committed message arrived once and no rolled-back one did."""
     database_url = settings.database_url.get_secret_value()
+    echo(f"database {_where(database_url)}, schema {settings.db_schema!r} (OUTBOX_DATABASE_URL)")
     await asyncio.to_thread(
         functools.partial(migrate.migrate, pooled=settings.transaction_pooler),
         database_url,
@@ -57,6 +58,13 @@ async def run(
         stop.set()
         await asyncio.gather(relaying, producing, return_exceptions=True)
     return _summary(tally, echo)
+
+
+def _where(database_url: str) -> str:
+    """host:port/database of a PostgreSQL URL, without its user or password."""
+    parts = psycopg.conninfo.conninfo_to_dict(database_url)
+    host = parts.get("host") or "localhost"
+    return f"{host}:{parts.get('port') or 5432}/{parts.get('dbname') or parts.get('user')}"
 
 
 @contextlib.asynccontextmanager

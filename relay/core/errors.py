@@ -20,6 +20,11 @@ class InvalidMessage(RelayError, ValueError):
     """`enqueue` was given arguments that cannot become an AMQP message; nothing was written."""
 
 
+class InvalidMessageType(InvalidMessage, TypeError):
+    """An `enqueue` argument of the wrong type (a body that is an int, headers as a list): an
+    InvalidMessage, and a TypeError as Python's own checks would raise."""
+
+
 class DuplicateMessage(InvalidMessage):
     """A message with this `message_id` is already waiting in the outbox."""
 

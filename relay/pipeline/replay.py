@@ -230,21 +230,29 @@ def replay(
     """Enqueue the rows of `data` past `after` in id order, `batch` at a time (fewer when their
     bodies pass BATCH_BYTES) and `rate` messages a second at most. Each batch is a transaction
     that moves the replay's position, so an interrupted replay continues after its last batch. A
-    row the outbox refuses is skipped, and recorded with the reason, not retried for ever."""
+    row the outbox refuses is skipped, and recorded with the reason, not retried for ever.
+
+    `rate` is a ceiling a consumer can count on: a batch commits only once the one before it has
+    had its share of time (its rows / `rate`) since it committed, so no second holds more than
+    `rate` messages and one batch, however late the first rows came from Spark. Time spent
+    reading the lake counts towards that share."""
     if rate <= 0 or batch <= 0:
         raise errors.InvalidArgument("the rate and the batch size must be positive")
     columns = [f.name for f in SCHEMA.fields if f.name not in ("day", "id_range")]
     rows = data.select(*columns).orderBy("id").toLocalIterator(prefetchPartitions=True)
     sender = _Sender(db, name, selection, after)
     total = 0
-    started = time.monotonic()
+    next_at: float | None = None  # when the next batch may commit
     for chunk in _chunks(rows, batch):
-        sender.send(chunk)
-        total += len(chunk)
-        progress(len(chunk))
-        ahead = started + (sender.enqueued + sender.skipped) / rate - time.monotonic()
+        ahead = 0.0 if next_at is None else next_at - time.monotonic()
         if ahead > 0:
             sleep(ahead)
+        moved = sender.enqueued + sender.skipped
+        sender.send(chunk)
+        moved = sender.enqueued + sender.skipped - moved
+        next_at = time.monotonic() + moved / rate
+        total += len(chunk)
+        progress(len(chunk))
     return Outcome(total, sender.enqueued, sender.skipped, sender.first_skipped)
 
 

@@ -4,7 +4,7 @@ the modules its classes come from."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 
@@ -24,10 +24,17 @@ _DJANGO_AUTOCOMMIT = (
     "(using={alias!r}): in autocommit the message would commit on its own, whether or not the "
     "change it announces does. Wrap the change and the enqueue in one atomic block."
 )
+_AUTOCOMMIT = (
+    "relay.enqueue on a psycopg connection in autocommit mode would commit the message on its "
+    "own, whether or not the change it announces does: enqueue inside `with conn.transaction():` "
+    "together with that change (or on a connection that is not in autocommit mode)"
+)
 _DJANGO_ASYNC = (
     "Django's connections are synchronous: call relay.enqueue (not enqueue_async) inside "
     "transaction.atomic(), from async code through asgiref's sync_to_async"
 )
+
+_C = TypeVar("_C", psycopg.Connection[Any], psycopg.AsyncConnection[Any])
 
 # A Django connection is one of these, or of a subclass (a third-party backend's wrapper).
 _DJANGO_CONNECTIONS = {
@@ -42,7 +49,7 @@ def sync_connection(conn: Any) -> psycopg.Connection[Any]:
     never a second connection, never a commit of our own); else the one under a Django connection
     in a transaction (`_django`). TypeError for anything else."""
     if isinstance(conn, psycopg.Connection):
-        return conn
+        return _in_transaction(conn)
     if _is_django(conn):
         return _django(conn)
     if not _is_sqlalchemy(conn):
@@ -61,7 +68,7 @@ async def async_connection(conn: Any) -> psycopg.AsyncConnection[Any]:
     """`sync_connection` for psycopg's AsyncConnection and SQLAlchemy's AsyncSession and
     AsyncConnection."""
     if isinstance(conn, psycopg.AsyncConnection):
-        return conn
+        return _in_transaction(conn)
     if _is_django(conn):
         raise TypeError(_DJANGO_ASYNC)
     if not _is_sqlalchemy(conn):
@@ -75,6 +82,15 @@ async def async_connection(conn: Any) -> psycopg.AsyncConnection[Any]:
     if not isinstance(driver, psycopg.AsyncConnection):
         raise TypeError(_NOT_PSYCOPG.format(driver=type(driver).__module__))
     return driver
+
+
+def _in_transaction(conn: _C) -> _C:
+    """`conn`, unless the statement would run in a transaction of its own: autocommit, and no
+    `conn.transaction()` block open (InvalidArgument). Outside autocommit, psycopg begins the
+    caller's transaction with the statement, as with any other."""
+    if conn.autocommit and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+        raise errors.InvalidArgument(_AUTOCOMMIT)
+    return conn
 
 
 def _django(conn: Any) -> psycopg.Connection[Any]:

@@ -31,6 +31,15 @@ _MISSING = (
 _REFUSED = re.compile(
     r"FATAL:\s+(.*authentication failed|role \S+ does not exist|database \S+ does not exist"
     r"|no pg_hba\.conf entry|permission denied for database)"
+    r"|server does not support SSL, but SSL was required|certificate verify failed"
+    r"|root certificate file .* does not exist"
+)
+#: libpq's words for a URL it cannot parse, or an option value it refuses before it connects:
+#: a URL that can never work, told at once and never retried.
+_BAD_URL = re.compile(
+    r"invalid URI|invalid connection option|invalid percent-encoded|missing \"=\" after"
+    r"|matching \"\]\"|unterminated quoted string|forbidden value|unexpected spaces"
+    r"|connection is bad: invalid \w+ (value|number)"
 )
 
 
@@ -49,14 +58,28 @@ def translate_errors(schema: str) -> Iterator[None]:
         raise errors.LockTimeout(
             f"PostgreSQL: {first_line(exc)} ({exc.sqlstate}); retrying, as a lock time-out"
         ) from exc
-    except (psycopg.OperationalError, psycopg_pool.PoolTimeout) as exc:
-        line = first_line(exc)
-        if _REFUSED.search(str(exc)):
-            raise errors.DatabaseRefused(
-                f"PostgreSQL refused the connection: {line}; check the user, password and "
-                "database name in OUTBOX_DATABASE_URL (and pg_hba.conf)"
-            ) from exc
-        raise errors.DatabaseUnavailable(f"PostgreSQL unavailable: {line}") from exc
+    except (psycopg.ProgrammingError, psycopg.OperationalError) as exc:
+        if exc.sqlstate is not None or not _BAD_URL.search(str(exc)):
+            if isinstance(exc, psycopg.ProgrammingError):
+                raise
+            raise _unavailable(exc) from exc
+        raise errors.ConfigError(
+            f"the PostgreSQL URL cannot work: {first_line(exc)} (see libpq's connection "
+            "parameters: https://www.postgresql.org/docs/current/libpq-connect.html)"
+        ) from None
+    except psycopg_pool.PoolTimeout as exc:
+        raise _unavailable(exc) from exc
+
+
+def _unavailable(exc: Exception) -> errors.DatabaseUnavailable:
+    """An outage, or (DatabaseRefused) a server that answers and will not let this login in."""
+    line = first_line(exc)
+    if _REFUSED.search(str(exc)):
+        return errors.DatabaseRefused(
+            f"PostgreSQL refused the connection: {line}; check the user, password, database "
+            "name and TLS settings in OUTBOX_DATABASE_URL (and pg_hba.conf)"
+        )
+    return errors.DatabaseUnavailable(f"PostgreSQL unavailable: {line}")
 
 
 def options(pooled: bool) -> dict[str, Any]:

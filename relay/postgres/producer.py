@@ -161,7 +161,9 @@ def _many(schema: str, messages: Iterable[Message]) -> tuple[Any, dict[str, list
     }
     for n, message in enumerate(batch, 1):
         if not isinstance(message, Message):
-            raise TypeError(f"message {n} must be a relay.Message, not {type(message).__name__}")
+            raise errors.InvalidMessageType(
+                f"message {n} must be a relay.Message, not {type(message).__name__}"
+            )
         try:
             _, one = _call(
                 schema,
@@ -213,7 +215,7 @@ def _call(
         ("ordering_key", ordering_key),
     ):
         if value is not None and not isinstance(value, str):
-            raise TypeError(f"{name} must be a str, not {type(value).__name__}")
+            raise errors.InvalidMessageType(f"{name} must be a str, not {type(value).__name__}")
         if value is not None:
             _storable_text(name, value)
     params = {
@@ -234,7 +236,9 @@ def _call(
             raise errors.InvalidMessage("available_at must be timezone-aware (e.g. tzinfo=UTC)")
         params["available_at"] = available_at
     elif available_at is not None:
-        raise TypeError(f"available_at must be a datetime or timedelta, not {type(available_at)}")
+        raise errors.InvalidMessageType(
+            f"available_at must be a datetime or timedelta, not {type(available_at)}"
+        )
     return sql.load(schema).enqueue, params
 
 
@@ -250,14 +254,16 @@ def encode_body(body: Body) -> tuple[bytes, str | None]:
         except (TypeError, ValueError, RecursionError) as exc:
             raise errors.InvalidMessage(f"body is not JSON-serialisable: {exc}") from None
         return _utf8("body", text), _JSON
-    raise TypeError(f"body must be bytes, str, dict or list, not {type(body).__name__}")
+    raise errors.InvalidMessageType(
+        f"body must be bytes, str, dict or list, not {type(body).__name__}"
+    )
 
 
 def _mapping(name: str, value: Mapping[str, Any] | None) -> Mapping[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise TypeError(f"{name} must be a mapping, not {type(value).__name__}")
+        raise errors.InvalidMessageType(f"{name} must be a mapping, not {type(value).__name__}")
     return value
 
 

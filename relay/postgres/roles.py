@@ -64,21 +64,20 @@ def ensure(conninfo: str, schema: str) -> Roles:
     """Create the roles that are missing and (re)grant all three. Needs the schema's owner with
     CREATEROLE (or a superuser). Raises DatabaseUnavailable or RelayError."""
     roles = names(schema)
-    try:
-        with psycopg.connect(conninfo) as conn:
-            created = tuple(name for name in roles.names() if _create(conn, name))
-            conn.execute(grants(schema))
-    except psycopg.errors.InsufficientPrivilege as exc:
-        raise errors.RelayError(
-            f"cannot set up the roles: {pg.first_line(exc)}; run `roles` as the outbox schema's "
-            "owner, with CREATEROLE"
-        ) from None
-    except psycopg.errors.UndefinedObject as exc:
-        raise errors.RelayError(
-            f"cannot set up the roles: {pg.first_line(exc)}; run `outbox-relay migrate` first"
-        ) from None
-    except psycopg.OperationalError as exc:
-        raise errors.DatabaseUnavailable(f"PostgreSQL unavailable: {pg.first_line(exc)}") from exc
+    with pg.translate_errors(schema):  # no schema yet: SchemaMissing, "run migrate"
+        try:
+            with psycopg.connect(conninfo) as conn:
+                created = tuple(name for name in roles.names() if _create(conn, name))
+                conn.execute(grants(schema))
+        except psycopg.errors.InsufficientPrivilege as exc:
+            raise errors.RelayError(
+                f"cannot set up the roles: {pg.first_line(exc)}; run `roles` as the outbox "
+                "schema's owner, with CREATEROLE"
+            ) from None
+        except psycopg.errors.UndefinedObject as exc:
+            raise errors.RelayError(
+                f"cannot set up the roles: {pg.first_line(exc)}; run `outbox-relay migrate` first"
+            ) from None
     return dataclasses.replace(roles, created=created)
 
 

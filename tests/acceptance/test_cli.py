@@ -156,6 +156,32 @@ def test_a_refusal_fails_start_up_at_once_saying_what_to_check(
     assert "wrong-pw" not in result.stderr
 
 
+@pytest.mark.parametrize("command", ["run", "migrate", "stats"])
+@pytest.mark.parametrize(
+    ("query", "says"),
+    [
+        ("nosuchparam=1", 'invalid URI query parameter: "nosuchparam"'),
+        ("sslmode=bogus", 'invalid sslmode value: "bogus"'),
+        ("target_session_attrs=bogus", 'invalid target_session_attrs value: "bogus"'),
+    ],
+)
+def test_a_url_that_can_never_work_fails_at_once_with_exit_2(
+    database_url: str, command: str, query: str, says: str
+) -> None:
+    """A typo in the URL is no outage: one line naming it, exit 2, and no start-up retries (`run`
+    retried `sslmode=bogus` for its whole start-up timeout, and `nosuchparam` was a traceback)."""
+    env = clean_env(OUTBOX_DATABASE_URL=f"{database_url}?{query}", OUTBOX_STARTUP_TIMEOUT="60")
+    started = time.monotonic()
+    result = run_cli(command, env=env)
+    assert time.monotonic() - started < 30  # well inside the 60 s it would have retried
+    assert_one_line_error(result, 2, "the PostgreSQL URL cannot work", says)
+
+
+def test_roles_before_migrate_says_to_migrate(empty_database_url: str) -> None:
+    result = run_cli("roles", env=clean_env(OUTBOX_DATABASE_URL=empty_database_url))
+    assert_one_line_error(result, 1, "run `outbox-relay migrate`")
+
+
 def test_run_on_a_database_without_the_schema(empty_database_url: str, amqp_url: str) -> None:
     env = clean_env(OUTBOX_DATABASE_URL=empty_database_url, OUTBOX_AMQP_URL=amqp_url)
     result = run_cli("run", env=env)
@@ -185,6 +211,8 @@ def test_demo_shows_messages_flowing(empty_database_url: str, amqp_url: str) -> 
     assert result.stdout.count("← received") >= 3
     assert "✗ rolled back" not in result.stdout or "must never arrive" in result.stdout
     assert "missing 0, from rolled-back transactions 0" in result.stdout
+    database = empty_database_url.rsplit("/", 1)[1]
+    assert f"/{database}, schema 'outbox' (OUTBOX_DATABASE_URL)" in result.stdout.splitlines()[0]
 
 
 def test_version_and_module_entry_point() -> None:

@@ -209,23 +209,49 @@ def test_empty_exchange_is_valid_the_default_exchange(database_url: str) -> None
 @pytest.mark.parametrize(
     ("kwargs", "error"),
     [
-        ({"body": 12}, TypeError),
-        ({"exchange": 5}, TypeError),
-        ({"headers": [("a", 1)]}, TypeError),
+        ({"body": 12}, errors.InvalidMessageType),
+        ({"exchange": 5}, errors.InvalidMessageType),
+        ({"headers": [("a", 1)]}, errors.InvalidMessageType),
         ({"headers": {"when": datetime.now(UTC)}}, errors.InvalidMessage),
         ({"body": {"x": float("nan")}}, errors.InvalidMessage),
         ({"available_at": datetime(2030, 1, 1)}, errors.InvalidMessage),
-        ({"available_at": "tomorrow"}, TypeError),
+        ({"available_at": "tomorrow"}, errors.InvalidMessageType),
     ],
 )
 def test_python_api_rejects_bad_types_before_sql(
     database_url: str, kwargs: dict[str, Any], error: type[Exception]
 ) -> None:
+    """Every bad argument is an InvalidMessage (those of the wrong type a TypeError too), raised
+    before any SQL, so the caller's transaction is still usable."""
     arguments: dict[str, Any] = {"exchange": "x", "routing_key": "k", "body": b""} | kwargs
     with psycopg.connect(database_url) as conn:
-        with pytest.raises(error):
+        with pytest.raises(error) as raised:
             relay.enqueue(conn, **arguments)
+        assert isinstance(raised.value, errors.InvalidMessage)
         assert conn.info.transaction_status != psycopg.pq.TransactionStatus.INERROR
+
+
+def test_an_autocommit_connection_is_refused_and_writes_nothing(database_url: str) -> None:
+    """In autocommit the message would commit on its own, outside the business transaction it
+    announces: the one mistake an outbox exists to prevent."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        with pytest.raises(errors.InvalidArgument, match="autocommit"):
+            relay.enqueue(conn, "x", "k", b"alone")
+        with pytest.raises(errors.InvalidArgument, match=r"conn\.transaction"):
+            relay.enqueue_many(conn, [relay.Message("x", "k", b"alone")])
+        with conn.transaction():  # an explicit transaction on the same connection: accepted
+            conn.execute("SELECT 1")  # the business change
+            relay.enqueue(conn, "x", "k", b"with it")
+    assert count(database_url) == 1
+
+
+async def test_an_autocommit_async_connection_is_refused(database_url: str) -> None:
+    async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+        with pytest.raises(errors.InvalidArgument, match="autocommit"):
+            await relay.enqueue_async(conn, "x", "k", b"alone")
+        async with conn.transaction():
+            await relay.enqueue_async(conn, "x", "k", b"with it")
+    assert count(database_url) == 1
 
 
 def test_python_api_translates_sql_errors(database_url: str) -> None:

@@ -4,6 +4,8 @@ and run again adds each message once; and the orders of events around a replay's
 
 from __future__ import annotations
 
+import asyncio
+import bisect
 import dataclasses
 import json
 import os
@@ -11,12 +13,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections import defaultdict
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import aio_pika.abc
 import psycopg
 import pytest
 from psycopg.types.json import Jsonb
@@ -30,7 +34,7 @@ from relay.pipeline.database import Batch, PipelineDatabase, ReplayDatabase
 from relay.pipeline.export import Source, export
 from tests.support import amqp, inprocess
 from tests.support.processes import clean_env
-from tests.support.wait import until
+from tests.support.wait import until, until_async
 
 #: The archive the tests replay: 6 days of messages, ending two days ago.
 DAYS = 6
@@ -179,6 +183,55 @@ async def test_a_replay_sends_exactly_its_selection_with_provenance_in_key_order
     assert (again.selected, again.enqueued) == (0, 0)
     assert rows(database_url, "SELECT count(*) FROM outbox.messages")[0][0] == 0
     assert waiting(database_url, "bootstrap") == []
+
+
+async def test_the_rate_is_a_ceiling_a_consumer_can_count_on(
+    spark: SparkSession,
+    database_url: str,
+    amqp_url: str,
+    broker: amqp.Broker,
+    lake: str,
+    archived: list[dict[str, Any]],
+) -> None:
+    """`--rate R --batch B`, counted where a consumer counts, at the broker: no sliding second
+    holds more than R + B messages (the first batches used to go out back to back, 300 in one
+    second at R = 200, B = 50: the time Spark took to start was spent as credit), and the whole
+    run averages at least 0.9 R."""
+    await broker.declare()
+    rate, batch = 200, 50
+    arrivals: list[float] = []
+
+    async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        arrivals.append(time.monotonic())
+        await message.ack()
+
+    relaying = inprocess.running(inprocess.settings_for(database_url, amqp_url))
+    async with relaying, broker.channel() as channel:
+        await channel.set_qos(prefetch_count=1000)
+        queue = await channel.get_queue(broker.queue, ensure=False)
+        await queue.consume(on_message)
+        outcome = await asyncio.to_thread(
+            jobs.replay_lake,
+            settings(database_url, lake),
+            replay.Selection(to_exchange=broker.exchange),
+            name="paced",
+            batch=batch,
+            rate=rate,
+            say=quiet,
+            spark=spark,
+        )
+        assert outcome.enqueued == len(originals(archived)) > 10 * batch
+
+        async def all_in() -> bool:
+            return len(arrivals) >= outcome.enqueued
+
+        await until_async(all_in, timeout=30, message="every message")
+    arrivals.sort()
+    busiest = max(bisect.bisect_left(arrivals, t + 1.0) - i for i, t in enumerate(arrivals))
+    assert busiest <= rate + batch, f"{busiest} messages in one second at --rate {rate}"
+    # The last batch's share of time counts as the run's too: it is what the rate allows.
+    took = arrivals[-1] - arrivals[0] + batch / rate
+    assert len(arrivals) / took >= 0.9 * rate
 
 
 def test_a_replay_killed_midway_and_run_again_enqueues_each_message_once(

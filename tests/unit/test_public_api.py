@@ -40,6 +40,7 @@ SURFACE = {
         "DuplicateMessage",
         "InvalidArgument",
         "InvalidMessage",
+        "InvalidMessageType",
         "MigrationError",
         "Refused",
         "RelayError",
