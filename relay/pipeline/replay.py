@@ -232,25 +232,31 @@ def replay(
     that moves the replay's position, so an interrupted replay continues after its last batch. A
     row the outbox refuses is skipped, and recorded with the reason, not retried for ever.
 
-    `rate` is a ceiling a consumer can count on: a batch commits only once the one before it has
-    had its share of time (its rows / `rate`) since it committed, so no second holds more than
-    `rate` messages and one batch, however late the first rows came from Spark. Time spent
-    reading the lake counts towards that share."""
+    `rate` is a ceiling a consumer can count on: each batch is timed to commit its share of time
+    (its rows / `rate`) after the one before it committed, so no second holds more than `rate`
+    messages and one batch, however late the first rows came from Spark. A batch starts that
+    much earlier as the last one took to send (at most half a share), so that the run keeps to
+    `rate` on average; time spent reading the lake counts towards the share."""
     if rate <= 0 or batch <= 0:
         raise errors.InvalidArgument("the rate and the batch size must be positive")
     columns = [f.name for f in SCHEMA.fields if f.name not in ("day", "id_range")]
     rows = data.select(*columns).orderBy("id").toLocalIterator(prefetchPartitions=True)
     sender = _Sender(db, name, selection, after)
     total = 0
-    next_at: float | None = None  # when the next batch may commit
+    next_at: float | None = None  # when the next batch should commit
+    took = 0.0  # how long the last batch took to send: the next one starts that much earlier
     for chunk in _chunks(rows, batch):
-        ahead = 0.0 if next_at is None else next_at - time.monotonic()
+        ahead = 0.0 if next_at is None else next_at - took - time.monotonic()
         if ahead > 0:
             sleep(ahead)
         moved = sender.enqueued + sender.skipped
+        began = time.monotonic()
         sender.send(chunk)
+        done = time.monotonic()
         moved = sender.enqueued + sender.skipped - moved
-        next_at = time.monotonic() + moved / rate
+        share = moved / rate
+        next_at = done + share
+        took = min(done - began, share / 2)
         total += len(chunk)
         progress(len(chunk))
     return Outcome(total, sender.enqueued, sender.skipped, sender.first_skipped)
