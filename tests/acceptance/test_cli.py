@@ -28,7 +28,8 @@ def test_migrate_twice_then_stats(empty_database_url: str) -> None:
     assert stats.returncode == 0, stats.stderr
     figures = json.loads(stats.stdout)
     seen = figures.pop("observation")
-    assert (seen["due"], seen["gated"], seen["dead"], seen["xmin_pid"]) == (0, 0, 0, None)
+    assert (seen["due"], seen["gated"], seen["dead"]) == (0, 0, 0)
+    assert "xmin_pid" in seen  # the server's oldest horizon holder: another test's, in parallel
     assert figures == {
         "archived": 0,
         "blocked_keys": 0,

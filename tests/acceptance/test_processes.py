@@ -177,6 +177,7 @@ async def test_killed_relay_rows_are_delivered_by_another_after_the_lease(
     assert scalar(database_url, "SELECT count(*) FROM outbox.messages") == 0
 
 
+@pytest.mark.serial  # it restarts the broker every other test uses
 async def test_broker_restart_mid_run_loses_nothing(
     database_url: str, amqp_url: str, broker: Broker, svc: Services
 ) -> None:

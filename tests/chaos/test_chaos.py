@@ -7,7 +7,7 @@ import pytest
 from tests.chaos import chaos
 from tests.support.services import Services
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # it restarts the broker
 
 
 def test_chaos_short_form(svc: Services) -> None:

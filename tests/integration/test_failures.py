@@ -24,7 +24,8 @@ from tests.support.proxy import TcpProxy
 from tests.support.services import Services
 from tests.support.wait import until_async
 
-pytestmark = pytest.mark.slow
+# Each raises a broker alarm, restarts PostgreSQL or changes a server-wide setting: alone.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def messages(exchange: str, n: int, prefix: str = "k") -> list[dict[str, Any]]:

@@ -320,6 +320,7 @@ def broker_max_message_size(svc: Services) -> Iterator[int]:
         svc.broker_ctl("eval", "application:set_env(rabbit, max_message_size, 134217728).")
 
 
+@pytest.mark.serial  # it changes the broker's max_message_size for everyone
 async def test_message_over_the_brokers_size_limit_is_too_large(
     amqp_url: str, broker: Broker, broker_max_message_size: int
 ) -> None:
