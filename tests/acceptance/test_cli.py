@@ -136,6 +136,13 @@ def test_run_gives_up_on_an_unreachable_broker_after_the_startup_timeout(
         ),
         (None, "amqp://guest:wrong-pw@127.0.0.1:5672/", "RabbitMQ refused the login"),
         (None, "amqp://guest:guest@127.0.0.1:5672/no-such-vhost", "the virtual host in"),
+        # TLS that cannot work: a server without it says so, one with it fails the certificate
+        # check (the root certificate is missing); either is a refusal, not an outage.
+        (
+            "?sslmode=verify-full&sslrootcert=/nonexistent/root.crt",
+            None,
+            "PostgreSQL refused the connection",
+        ),
     ],
 )
 def test_a_refusal_fails_start_up_at_once_saying_what_to_check(
@@ -143,7 +150,12 @@ def test_a_refusal_fails_start_up_at_once_saying_what_to_check(
 ) -> None:
     """Wrong credentials, or a database or vhost that does not exist, are not outages: start-up
     ends in one line (it retried them for the whole start-up timeout before)."""
-    url = database_url if database is None else database_url.rsplit("/", 1)[0] + "/" + database
+    if database is None:
+        url = database_url
+    elif database.startswith("?"):
+        url = database_url + database
+    else:
+        url = database_url.rsplit("/", 1)[0] + "/" + database
     env = clean_env(OUTBOX_DATABASE_URL=url, OUTBOX_STARTUP_TIMEOUT="60")
     if broker is not None:
         env["OUTBOX_AMQP_URL"] = broker
