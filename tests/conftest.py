@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
 
 from relay.postgres import migrate
-from tests.support import amqp, services
+from tests.support import amqp, databases, services
 
 
 @pytest.fixture(autouse=True)
@@ -59,10 +62,19 @@ def _fresh_database(svc: services.Services, template: str) -> Iterator[str]:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@pytest.fixture(scope="session")
+def _copies(svc: services.Services, template_db: str) -> Iterator[databases.Copies]:
+    copies = databases.Copies(svc.database_url, svc.with_database, template_db)
+    yield copies
+    copies.close()
+
+
 @pytest.fixture
-def database_url(svc: services.Services, template_db: str) -> Iterator[str]:
-    """A migrated database of this test's own."""
-    yield from _fresh_database(svc, template_db)
+def database_url(svc: services.Services, _copies: databases.Copies) -> Iterator[str]:
+    """A migrated database of this test's own: equal to a fresh copy of the template, and out of
+    reach of anything an earlier test left running (tests/support/databases.py)."""
+    for name in databases.each(_copies):
+        yield svc.with_database(name)
 
 
 @pytest.fixture
@@ -89,3 +101,36 @@ def closed_port() -> Iterator[int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         yield int(s.getsockname()[1])
+
+
+# -- budgets: what each test took, for tests/support/budget.py ---------------------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--record-durations",
+        metavar="PATH",
+        help="write each test's setup + call + teardown seconds and the run's wall time as JSON",
+    )
+
+
+class _Durations:
+    """On the controller (xdist hands it every worker's reports), or in a run without workers."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.started = time.monotonic()
+        self.tests: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.tests[report.nodeid] = self.tests.get(report.nodeid, 0.0) + report.duration
+
+    def pytest_sessionfinish(self) -> None:
+        wall = time.monotonic() - self.started
+        self.path.write_text(json.dumps({"wall": wall, "tests": self.tests}))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    path = config.getoption("record_durations")
+    if path and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_Durations(Path(path)), "outbox-durations")

@@ -23,6 +23,7 @@ from relay.core.filters import DeadFilter
 from relay.ops import metrics
 from relay.ops.retention import Pruner
 from relay.postgres import admin, locks
+from tests.support import tier
 from tests.support.amqp import Broker
 from tests.support.inprocess import enqueue, query, running, settings_for, wait_for_count
 from tests.support.wait import until_async
@@ -127,7 +128,9 @@ def expected(row: tuple[str, str, str, str | None, int], f: dict[str, Any]) -> b
 
 
 @settings(
-    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=tier.examples(200),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(case=dead_and_filter())
 def test_filters_select_exactly_the_rows_their_globs_and_bounds_match(
@@ -498,6 +501,9 @@ def test_a_stopped_prune_ends_after_its_batch(ops: admin.Admin, database_url: st
     assert rows(database_url, "SELECT count(*) FROM outbox.archive") == [(90,)]
 
 
+# Slow (out of the fast tier): a pruner and producers run side by side for long enough to overlap
+# many times.
+@pytest.mark.slow
 async def test_prune_under_load_keeps_every_new_message(
     database_url: str, amqp_url: str, broker: Broker
 ) -> None:

@@ -2,8 +2,9 @@
 its back, ends in a clear error at enqueue or in the row dead-lettered with a reason. The relay
 never crashes, never stalls the other rows, and never publishes a message other than the stored one.
 
-OUTBOX_FUZZ_EXAMPLES (default 60) sets the examples per test; OUTBOX_FUZZ_REPORT names a JSON
-file that receives the outcome counts (the closing note of issue 9 quotes one such run)."""
+OUTBOX_FUZZ_EXAMPLES (default 60, 6 in the fast tier) sets the examples per test;
+OUTBOX_FUZZ_REPORT names a JSON file that receives the outcome counts (the closing note of issue 9
+quotes one such run)."""
 
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ from psycopg.types.json import Jsonb
 import relay
 from relay import app
 from relay.core import errors, model
+from tests.support import tier
 from tests.support.amqp import Broker
 from tests.support.inprocess import settings_for
 
-EXAMPLES = int(os.environ.get("OUTBOX_FUZZ_EXAMPLES", "60"))
+EXAMPLES = tier.examples(60, "OUTBOX_FUZZ_EXAMPLES")
 LIMIT = 16_384  # max_body_bytes for these tests: bodies up to and past it stay cheap
 OUTCOMES: collections.Counter[str] = collections.Counter()
 

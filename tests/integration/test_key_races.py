@@ -275,6 +275,8 @@ class SharedLog(ScriptedPublisher):
         self.published = log
 
 
+# Slow (out of the fast tier): producers and relays race for long enough to meet on every key.
+@pytest.mark.slow
 async def test_multi_key_producers_and_settling_relays_never_fail_a_producer(
     database_url: str,
 ) -> None:

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import psycopg
+import pytest
 
 import relay
 from relay.postgres import admin
@@ -203,6 +204,9 @@ def test_a_producer_racing_the_settle_of_its_predecessor_is_never_stranded(
     assert rows(database_url, "SELECT seq, gated FROM outbox.messages") == [(2, False)]
 
 
+# Slow (out of the fast tier): it fills the table with enough rows that an index scan and a table
+# scan differ.
+@pytest.mark.slow
 def test_claims_read_only_due_rows_from_the_index(database_url: str) -> None:
     # 100,000 scheduled rows and 100,000 gated keyed rows must cost a claim nothing: it reads the
     # 50 due rows and the hot key's head from the due index, and not one row more.

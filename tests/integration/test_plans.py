@@ -71,6 +71,9 @@ def _reads(conn: Conn) -> int:
     return int(row[0]) if row and row[0] is not None else 0
 
 
+# Slow (out of the fast tier): it leaves thousands of dead rows behind the cursor, as a pinned
+# horizon does.
+@pytest.mark.slow
 def test_a_claim_reads_none_of_the_dead_rows_behind_its_cursor(
     database_url: str, pinned: None
 ) -> None:
@@ -97,6 +100,8 @@ def test_a_claim_reads_none_of_the_dead_rows_behind_its_cursor(
     assert read <= 4 * 100, f"a claim of 100 rows from its cursor read {read} rows"
 
 
+# Slow (out of the fast tier): it fills thousands of leased rows, for the plans to differ.
+@pytest.mark.slow
 def test_a_claims_own_rows_are_found_by_id_not_by_the_leases(
     database_url: str, pinned: None
 ) -> None:

@@ -75,6 +75,8 @@ def count(s: Secured, table: str) -> int:
     return int(row[0])
 
 
+# Slow (out of the fast tier): `outbox-relay roles` and psql, run as commands.
+@pytest.mark.slow
 def test_roles_command_creates_the_roles_once(empty_database_url: str) -> None:
     schema = f"s{uuid.uuid4().hex[:10]}"
     migrate.migrate(empty_database_url, schema)
@@ -162,6 +164,8 @@ def FORGERIES(q: str) -> tuple[str, ...]:  # a constant table, spelt as one
     )
 
 
+# Slow (out of the fast tier): a relay and `outbox-relay` commands run under the role.
+@pytest.mark.slow
 async def test_relay_role_relays_and_nothing_else(secured: Secured, broker: Broker) -> None:
     s = secured
     await broker.declare(binding="r.#")
@@ -222,6 +226,8 @@ async def test_relay_role_relays_and_nothing_else(secured: Secured, broker: Brok
     assert count(s, "archive") == 5
 
 
+# Slow (out of the fast tier): a dozen `outbox-relay` commands, each a Python start-up of ~0.4 s.
+@pytest.mark.slow
 async def test_operator_role_runs_the_cli_and_nothing_else(
     secured: Secured, broker: Broker
 ) -> None:

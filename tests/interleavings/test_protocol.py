@@ -31,8 +31,9 @@ from hypothesis.stateful import (
 )
 
 from tests.interleavings import ledger, world
+from tests.support import tier
 
-EXAMPLES = int(os.environ.get("OUTBOX_INTERLEAVINGS", "60"))
+EXAMPLES = tier.examples(60, "OUTBOX_INTERLEAVINGS")
 STEPS = int(os.environ.get("OUTBOX_INTERLEAVING_STEPS", "80"))
 #: OUTBOX_INTERLEAVING_SHRINK=0 reports the first failing run as found (faster, when checking that
 #: the test catches a defect put back on purpose).
@@ -334,8 +335,7 @@ def test_the_protocol_holds_under_every_interleaving_tried(database_url: str) ->
 
 
 #: About a third of a second a run on a 2-core machine; a long run must not meet the suite's limit.
-# Alone (serial): Hypothesis replays a failing case and needs each step's preconditions to come
-# out the same, and whether a held settle's statement has finished by the next step is timed; on
-# a machine other tests load meanwhile it may finish a step later (FlakyStrategyDefinition, seen
-# with three workers). Making `finishable` wait for a statement to finish or block would lift it.
-pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(180 + EXAMPLES)]
+# Not serial: what a step may do next depends on the locks alone, never on how fast the server
+# ran (World.finishable waits for a statement to finish or block), so Hypothesis replays each
+# case the same way on a loaded machine too.
+pytestmark = pytest.mark.timeout(180 + EXAMPLES)

@@ -355,10 +355,13 @@ class World:
         for _ in range(300):
             await asyncio.sleep(0)
 
-    async def _until_done_or_waiting(self, who: str, task: asyncio.Task[Any]) -> bool:
-        """True once `task` is done; False if `who`'s session waits on a lock meanwhile."""
+    async def _until_done_or_waiting(
+        self, who: str, task: asyncio.Task[Any], ran: asyncio.Event | None = None
+    ) -> bool:
+        """True once `task` is done (or `ran` is set); False if `who`'s session waits on a lock
+        meanwhile."""
         deadline = time.monotonic() + 20
-        while not task.done():
+        while not task.done() and not (ran is not None and ran.is_set()):
             # Blocked by someone now: a session just woken by a commit may still show its lock
             # wait for a moment, but no longer has anyone blocking it.
             cur = await self.monitor.execute(
@@ -386,12 +389,20 @@ class World:
         return done
 
     async def _catch_up(self) -> None:
-        """Let operations in flight finish where nothing blocks them any more."""
+        """Let operations in flight, and held settles' statements, finish where nothing blocks
+        them any more. So what is finishable after a step is decided by the locks alone, never
+        by how fast the server ran meanwhile: Hypothesis replays each case the same way."""
         for who, task in list(self.in_flight):
             if await self._until_done_or_waiting(who, task):
                 self.in_flight.remove((who, task))
                 task.result()
+        await self._settle_held()
         await self._quiet()
+
+    async def _settle_held(self) -> None:
+        for held in self.held:
+            if not held.done:
+                await self._until_done_or_waiting(held.call.actor.name, held.task, held.ran)
 
     # -- relays ----------------------------------------------------------------------------
 
@@ -552,6 +563,10 @@ class World:
                 await held.task
 
     def finishable(self) -> list[Held]:
+        """Held settles whose statement has run. One a commit just unblocked counts once it has
+        run (waited for here), so the answer depends on the locks, not on the server's speed."""
+        if any(not h.done for h in self.held):
+            self.run(self._settle_held())
         return [h for h in self.held if h.done]
 
     def finish_held(self, held: Held, end: str = "commit") -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
+
 from relay.postgres import migrate
 from tests.migrations.test_schema import catalog
 from tests.support.processes import assert_one_line_error, clean_env, run_cli
@@ -48,6 +50,8 @@ def test_from_nothing_the_printed_sql_is_every_migration(empty_database_url: str
     assert "0 pending" in migrate.script(empty_database_url, "outbox")
 
 
+# Slow (out of the fast tier): each `outbox-relay migrate --print-sql` form, run as a command.
+@pytest.mark.slow
 def test_the_commands(database_url: str) -> None:
     env = clean_env(OUTBOX_DATABASE_URL=database_url)
     status = run_cli("migrate", "--status", env=env)
