@@ -227,6 +227,9 @@ def assert_paced(arrivals: list[float], *, stalled: float = 0.0) -> None:
     assert len(arrivals) / took >= 0.9 * RATE
 
 
+# Serial: it holds the replay to at least 0.9 of its --rate, which a machine loaded by other
+# tests cannot promise (131/s of 200 seen on three workers); the ceiling holds under any load.
+@pytest.mark.serial
 async def test_the_rate_is_a_ceiling_a_consumer_can_count_on(
     database_url: str,
     amqp_url: str,
@@ -251,6 +254,9 @@ async def test_the_rate_is_a_ceiling_a_consumer_can_count_on(
     assert_paced(await arrivals_of(database_url, amqp_url, broker, run))
 
 
+# Serial: it holds the replay to at least 0.9 of its --rate, which a machine loaded by other
+# tests cannot promise (131/s of 200 seen on three workers); the ceiling holds under any load.
+@pytest.mark.serial
 async def test_a_stalled_batch_is_no_credit_for_a_burst(
     spark: SparkSession, database_url: str, amqp_url: str, broker: amqp.Broker
 ) -> None:
