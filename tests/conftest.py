@@ -6,7 +6,6 @@ import json
 import os
 import socket
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -40,7 +39,7 @@ def _admin(svc: services.Services) -> psycopg.Connection[tuple[object, ...]]:
 
 @pytest.fixture(scope="session")
 def template_db(svc: services.Services) -> Iterator[str]:
-    """A database migrated once per session; each test gets a copy (CREATE DATABASE … TEMPLATE)."""
+    """A database migrated once per worker; each test gets a copy of it (`database_url`)."""
     name = f"outbox_template_{os.getpid()}"
     with _admin(svc) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
@@ -52,14 +51,11 @@ def template_db(svc: services.Services) -> Iterator[str]:
 
 
 def _fresh_database(svc: services.Services, template: str) -> Iterator[str]:
-    name = f"outbox_t_{uuid.uuid4().hex[:12]}"
-    with _admin(svc) as conn:
-        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+    name = databases.create(svc.database_url, template)
     try:
         yield svc.with_database(name)
     finally:
-        with _admin(svc) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        databases.drop(svc.database_url, name)
 
 
 @pytest.fixture(scope="session")

@@ -119,15 +119,7 @@ class Copies:
     def take(self) -> str:
         """A database equal to a fresh copy of the template, and this test's alone."""
         name, self._spare = self._spare, None
-        if name is None:
-            name = _new_name()
-            with self._admin() as conn:
-                conn.execute(
-                    sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-                        sql.Identifier(name), sql.Identifier(self._template)
-                    )
-                )
-        return name
+        return name if name is not None else create(self._admin_url, self._template)
 
     def give_back(self, name: str) -> None:
         """Reset `name` for the next test, under a new name; or drop it if it cannot be."""
@@ -139,10 +131,7 @@ class Copies:
             self.dropped += 1
 
     def drop(self, name: str) -> None:
-        with self._admin() as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
+        drop(self._admin_url, name)
 
     def close(self) -> None:
         if self._spare is not None:
@@ -233,6 +222,25 @@ def _fingerprint(conn: psycopg.Connection[tuple[object, ...]]) -> str:
 
 def _new_name() -> str:
     return f"outbox_t_{uuid.uuid4().hex[:12]}"
+
+
+def create(admin_url: str, template: str) -> str:
+    """A new database copied from `template`; its name."""
+    name = _new_name()
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                sql.Identifier(name), sql.Identifier(template)
+            )
+        )
+    return name
+
+
+def drop(admin_url: str, name: str) -> None:
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
 
 
 def each(copies: Copies) -> Iterator[str]:
