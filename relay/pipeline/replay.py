@@ -232,9 +232,10 @@ def replay(
     that moves the replay's position, so an interrupted replay continues after its last batch. A
     row the outbox refuses is skipped, and recorded with the reason, not retried for ever.
 
-    `rate` is a ceiling a consumer can count on: each batch is timed to commit its share of time
-    (its rows / `rate`) after the one before it committed, so no second holds more than `rate`
-    messages and one batch, however late the first rows came from Spark. A batch starts that
+    `rate` is a ceiling on what reaches the outbox, which relays that keep up pass on to the
+    consumers: each batch is timed to commit its share of time (its rows / `rate`) after the one
+    before it committed, so no second holds more than `rate` messages and one batch, however late
+    the first rows came from Spark. A batch starts that
     much earlier as the last one took to send (at most half a share), so that the run keeps to
     `rate` on average; time spent reading the lake counts towards the share."""
     if rate <= 0 or batch <= 0:
