@@ -20,6 +20,7 @@ from pyspark.sql import types as T
 
 from relay.core import errors
 from relay.core.filters import glob_to_like
+from relay.pipeline import pace
 from relay.pipeline.database import Batch, ReplayDatabase
 from relay.pipeline.lake import Manifest, read, table_path
 
@@ -233,31 +234,20 @@ def replay(
     row the outbox refuses is skipped, and recorded with the reason, not retried for ever.
 
     `rate` is a ceiling on what reaches the outbox, which relays that keep up pass on to the
-    consumers: each batch is timed to commit its share of time (its rows / `rate`) after the one
-    before it committed, so no second holds more than `rate` messages and one batch, however late
-    the first rows came from Spark. A batch starts that
-    much earlier as the last one took to send (at most half a share), so that the run keeps to
-    `rate` on average; time spent reading the lake counts towards the share."""
+    consumers: no second holds more than `rate` messages and one batch, however late the first
+    rows came from Spark, and the run keeps to `rate` on average (relay.pipeline.pace)."""
     if rate <= 0 or batch <= 0:
         raise errors.InvalidArgument("the rate and the batch size must be positive")
+    pacer = pace.Pacer(rate, sleep=sleep)
     columns = [f.name for f in SCHEMA.fields if f.name not in ("day", "id_range")]
     rows = data.select(*columns).orderBy("id").toLocalIterator(prefetchPartitions=True)
     sender = _Sender(db, name, selection, after)
     total = 0
-    next_at: float | None = None  # when the next batch should commit
-    took = 0.0  # how long the last batch took to send: the next one starts that much earlier
     for chunk in _chunks(rows, batch):
-        ahead = 0.0 if next_at is None else next_at - took - time.monotonic()
-        if ahead > 0:
-            sleep(ahead)
+        began = pacer.wait()
         moved = sender.enqueued + sender.skipped
-        began = time.monotonic()
         sender.send(chunk)
-        done = time.monotonic()
-        moved = sender.enqueued + sender.skipped - moved
-        share = moved / rate
-        next_at = done + share
-        took = min(done - began, share / 2)
+        pacer.sent(sender.enqueued + sender.skipped - moved, began, pacer.clock())
         total += len(chunk)
         progress(len(chunk))
     return Outcome(total, sender.enqueued, sender.skipped, sender.first_skipped)
