@@ -247,7 +247,7 @@ class Relays:
 
     def kill_all(self) -> None:
         for proc in self.procs:
-            proc.__exit__()
+            proc.__exit__(None)
 
 
 def _scalar(url: str, sql: str) -> int:

@@ -24,8 +24,12 @@ from tests.support.proxy import TcpProxy
 from tests.support.services import Services
 from tests.support.wait import until_async
 
-# Each raises a broker alarm, restarts PostgreSQL or changes a server-wide setting: alone.
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = pytest.mark.slow
+
+#: For a test that raises a broker alarm, restarts PostgreSQL, changes a server-wide setting or
+#: judges a one-second lease against a relay's heartbeats: it runs alone (the others run on the
+#: workers: each cuts or stalls only its own proxy, kills only its own database's sessions).
+alone = pytest.mark.serial
 
 
 def messages(exchange: str, n: int, prefix: str = "k") -> list[dict[str, Any]]:
@@ -76,6 +80,7 @@ def memory_alarm(svc: Services) -> Iterator[None]:
         svc.broker_ctl("set_vm_memory_high_watermark", before if before[:1].isdigit() else "0.4")
 
 
+@alone
 async def test_blocked_broker_is_not_fed_claims_until_it_unblocks(
     database_url: str, amqp_url: str, broker: Broker, svc: Services
 ) -> None:
@@ -115,6 +120,7 @@ async def test_blocked_broker_is_not_fed_claims_until_it_unblocks(
     assert await scalar(database_url, "SELECT max(attempts) FROM outbox.archive") == 1
 
 
+@alone
 async def test_heartbeats_keep_a_slow_batch_from_being_claimed_twice(
     database_url: str, amqp_url: str, broker: Broker
 ) -> None:
@@ -244,6 +250,7 @@ async def test_killed_database_sessions_are_survived(
         await assert_all_delivered(broker, database_url, await flow.finish())
 
 
+@alone
 async def test_postgres_restart_is_survived(
     database_url: str, amqp_url: str, broker: Broker, svc: Services
 ) -> None:
@@ -263,6 +270,7 @@ async def test_postgres_restart_is_survived(
         await assert_all_delivered(broker, database_url, first + second)
 
 
+@alone
 @pytest.mark.parametrize("doorbell", ["held", "awaited"])
 async def test_postgres_restart_with_the_doorbell_held_or_awaited_is_survived(
     database_url: str, amqp_url: str, broker: Broker, svc: Services, doorbell: str
@@ -379,6 +387,7 @@ def _logged(caplog: pytest.LogCaptureFixture, text: str) -> bool:
     return any(text in record.getMessage() for record in caplog.records)
 
 
+@alone
 async def test_a_claims_attempt_survives_a_postgres_crash_with_asynchronous_commits(
     database_url: str, svc: Services
 ) -> None:

@@ -142,7 +142,9 @@ class RelayProcess:
     def __enter__(self) -> RelayProcess:
         return self
 
-    def __exit__(self, *_: object) -> None:
+    def __exit__(self, failed: type[BaseException] | None, *_: object) -> None:
         if self.proc.poll() is None:
             self.kill()
         self._reader.join(5)
+        if failed is not None:  # pytest shows a failed test's captured output: the relay's too
+            print(f"-- what the relay printed (pid {self.proc.pid}):\n{self.output}")
