@@ -288,8 +288,9 @@ async def test_postgres_restart_with_the_doorbell_held_or_awaited_is_survived(
         await until_async(lambda: asyncio.sleep(0, bell.armed.is_set()), message="an idle relay")
         if doorbell == "awaited":
             # A producer takes its side of the doorbell while the relay drains a backlog and
-            # holds it to the end: the relay's next arm waits for it.
-            first += await enqueue(database_url, *messages(broker.exchange, 20_000, "busy"))
+            # holds it to the end: the relay's next arm waits for it. (5,000 keep a relay busy
+            # for a second or more, fifty tries of the producer's; 20,000 took 12 s more.)
+            first += await enqueue(database_url, *messages(broker.exchange, 5_000, "busy"))
             producer = await psycopg.AsyncConnection.connect(database_url)
             stack.push_async_callback(producer.close)  # the restart ends its transaction
 
