@@ -61,6 +61,8 @@ def _clear(svc: services.Services) -> None:
     asyncio.run(topology())
 
 
+# Slow (~19 s): the block's own `python3 -m venv` and `pip install .` (the build and every
+# dependency) before its few commands; the promise is that the block runs as written, verbatim.
 def test_your_first_message_runs_as_written(svc: services.Services, tmp_path: Path) -> None:
     if not (
         svc.database_url.startswith("postgresql://postgres@127.0.0.1:5432/")

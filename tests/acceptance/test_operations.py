@@ -192,6 +192,8 @@ def test_readiness_says_what_start_up_waits_for(database_url: str, closed_port: 
         assert proc.stop() == 0
 
 
+# Slow (~7 s): a relay process and two outages (the broker's, then the database's), each lasting
+# until /readyz reports it, then waited out through the relay's reconnect back-off.
 def test_probes_follow_the_services(database_url: str, amqp_url: str) -> None:
     with proxied(database_url, 5432) as (db, db_url), proxied(amqp_url, 5672) as (mq, mq_url):
         env = clean_env(

@@ -81,6 +81,8 @@ def outbox_relay(command: Path, env: dict[str, str], *args: str) -> Completed:
         )
 
 
+# Slow (~16 s): the module's `installed` fixture: a fresh virtualenv with pip, and `pip install` of
+# the wheel with its dependencies; the promise is what a user's `pip install outbox-relay` gets.
 def test_the_installed_wheel_leaves_the_extras_out(installed: Path) -> None:
     """So the test below shows the relay migrating and running without any of them."""
     python = str(installed.parent / "python")

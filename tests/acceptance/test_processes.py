@@ -57,6 +57,9 @@ def wait_archived(url: str, n: int, timeout: float = 90) -> None:
     )
 
 
+# Slow (~9 s): two relay processes start, then 5,000 messages, enqueued one call each in 50
+# transactions, are relayed in batches of 100 as they arrive: enough batches for both relays to
+# claim many times over.
 async def test_two_relays_share_5000_messages_without_duplicates(
     database_url: str, amqp_url: str, broker: Broker
 ) -> None:
@@ -135,6 +138,9 @@ async def test_sigterm_stops_a_drain_until_empty_as_it_stops_a_relay_that_waits(
     assert "stopped before the backlog was empty" in output
 
 
+# Slow (~5 s; 31 s once, when one of its 30 s waits ran out): two relay processes, and the killed
+# relay's rows wait out its lease before the other takes them; the lease is cut to 3 s, enough
+# that they are still leased when the test looks after the kill.
 async def test_killed_relay_rows_are_delivered_by_another_after_the_lease(
     database_url: str, amqp_url: str, broker: Broker
 ) -> None:

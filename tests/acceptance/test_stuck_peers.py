@@ -239,6 +239,8 @@ def at(delay: float) -> str:
     return "never" if math.isinf(delay) else f"at +{delay:.1f}s"
 
 
+# Slow (~12 s): the frozen relay's 8 MiB claim stays held until its lease runs out; the promise is
+# about the default lease, 10 s (module docstring). Serial: it times deliveries.
 async def test_a_relay_frozen_mid_claim_holds_those_rows_one_lease_at_most(
     database_url: str, amqp_url: str, broker: Broker
 ) -> None:
@@ -262,6 +264,8 @@ async def test_a_relay_frozen_mid_claim_holds_those_rows_one_lease_at_most(
     assert stalled == 0, figures
 
 
+# Slow (~14 s): a marker a second is committed until 2 s past the frozen claim's default 10 s
+# lease, so that the whole lease is watched (module docstring). Serial: it times deliveries.
 async def test_a_relay_frozen_on_keyed_rows_stalls_no_other_message(
     database_url: str, amqp_url: str, broker: Broker
 ) -> None:
@@ -336,6 +340,9 @@ def in_window(times: list[float], start: float) -> int:
     return bisect.bisect_left(times, start + 1) - bisect.bisect_left(times, start)
 
 
+# Slow (~24 s): a 100,000-message backlog drained by two relay processes, one killed midway; the
+# survivor must still have rows of its own after the 4 s lease ends (BACKLOG says why so many).
+# Serial: it measures a relay's pace.
 async def test_a_killed_relay_costs_the_survivor_none_of_its_pace(
     database_url: str, amqp_url: str, broker: Broker
 ) -> None:

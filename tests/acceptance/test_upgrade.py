@@ -463,6 +463,9 @@ def error_lines(output: str) -> list[str]:
 # -- the test ------------------------------------------------------------------------------------
 
 
+# Slow (~20 s and ~19 s, a case each): each old release built into a wheel by pip and installed in
+# a venv of its own, then six phases under traffic, four relay processes and three runs of its
+# CLI; the promise is about a real install of each release, run beside this checkout.
 @pytest.mark.parametrize("old_rev", list(OLD_RELEASES))
 async def test_upgrades_and_a_rollback_never_strand_a_message(
     empty_database_url: str,

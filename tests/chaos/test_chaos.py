@@ -10,6 +10,9 @@ from tests.support.services import Services
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # it restarts the broker
 
 
+# Slow (~16 s): three relay processes, six SIGKILLs 2 s apart while 3,000 messages are committed,
+# a broker restart, then the drain (tests/chaos/chaos.py); every kill must hit traffic. Serial: it
+# restarts the broker.
 def test_chaos_short_form(svc: Services) -> None:
     report = chaos.run(svc, chaos.Plan(messages=3000, kills=6, kill_every=2.0))
     print("\n".join(report.lines()))  # shown with -s, and on failure

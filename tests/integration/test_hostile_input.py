@@ -192,6 +192,9 @@ def _storable(value: Any) -> bool:
     return "\\u0000" not in text
 
 
+# Slow (~11 s): 60 Hypothesis examples (6 in the fast tier), each an in-process relay started on
+# up to 12 hostile rows and its deliveries consumed; each example is another set of rows the relay
+# must survive.
 @fuzz
 @given(rows=raw_rows())
 async def test_relay_dead_letters_bad_rows_and_delivers_the_rest_intact(

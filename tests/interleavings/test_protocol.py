@@ -313,6 +313,9 @@ class Protocol(RuleBasedStateMachine):
         assert problems == [], "\n".join(problems)
 
 
+# Slow (~24 s): 60 Hypothesis examples of up to 80 steps, taken by real relays on PostgreSQL (the
+# broker faked); the interleavings tried are what the property covers (6 examples in the fast
+# tier). Serial in the full tier: see the note above `pytestmark` below.
 def test_the_protocol_holds_under_every_interleaving_tried(database_url: str) -> None:
     Protocol.url = database_url
     run_state_machine_as_test(

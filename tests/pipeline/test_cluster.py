@@ -211,6 +211,9 @@ def check(
         assert any(line.startswith(step) for line in lines), output[-5000:]
 
 
+# Slow (~55 s): the module's fixtures (the master's and the worker's JVMs, the archive, the local
+# run to compare with), then the command's driver JVM and the executor JVM the worker starts; the
+# promise is a real cluster's, and its data is already small (1,500 rows, 4 shuffle partitions).
 def test_the_command_runs_the_pipeline_on_the_cluster(
     cluster: Cluster, archive: Archive, copy: str, local: Outcome, tmp_path: Path
 ) -> None:
@@ -224,6 +227,9 @@ def test_the_command_runs_the_pipeline_on_the_cluster(
     _same_as_local(cluster, before, copy, local, tmp_path)
 
 
+# Slow (~28 s): spark-submit's JVM, the Python driver it starts and an executor JVM on the module's
+# cluster (stopped after the last test); the promise is spark-submit as README runs it, so nothing
+# stands in for it.
 def test_spark_submit_runs_the_pipeline_on_the_cluster(
     cluster: Cluster, archive: Archive, copy: str, local: Outcome, tmp_path: Path
 ) -> None:

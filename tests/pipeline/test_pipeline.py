@@ -58,6 +58,8 @@ def quiet(_: str) -> None:
     pass
 
 
+# Slow (~12 s): four exports and five reads of the lake, a dozen small Spark jobs on the session's
+# local[2] JVM; the property is about re-runs, so it needs several runs over several ranges.
 def test_export_twice_neither_duplicates_nor_loses_a_row(
     spark: SparkSession, database_url: str, db: PipelineDatabase, lake: str
 ) -> None:
@@ -132,6 +134,9 @@ def task_size(request: pytest.FixtureRequest, spark: SparkSession) -> Iterator[s
             spark.conf.set(key, before)
 
 
+# Slow (~16 s in parallel; one task, far less): 1 kB input splits make a task of each kilobyte of
+# the lake's Parquet, with shuffles after them; that case shows that partial aggregates merged
+# across tasks give SQL's figures.
 def test_report_figures_equal_sql(
     spark: SparkSession,
     database_url: str,
@@ -224,6 +229,9 @@ def test_prune_deletes_exactly_the_exported_rows(
     assert (again.deleted, again.kept) == (0, 1)
 
 
+# Slow (~18 s): `pipeline export` in a subprocess starts a JVM of its own and is SIGKILLed mid-run,
+# then prune and the whole pipeline run on the session's Spark; a kill is only real in a process
+# of its own, and the ranges are already the least (1,000 ids).
 def test_a_killed_export_leaves_nothing_pruned(
     spark: SparkSession, database_url: str, lake: str, tmp_path: Path
 ) -> None:

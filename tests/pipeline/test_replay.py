@@ -238,6 +238,9 @@ def assert_ceiling(enqueued: list[float]) -> None:
     assert busiest <= RATE + BATCH, f"{busiest} messages in one second at --rate {RATE}"
 
 
+# Slow (~24 s): after the `archived` fixture's export, `pipeline replay` starts a cold JVM in a
+# subprocess and sends 712 messages at --rate 200 (3.5 s by design); the ceiling must hold for the
+# command as users run it, first rows late from a cold Spark included, over more than 10 batches.
 async def test_the_rate_is_a_ceiling_on_what_reaches_the_outbox(
     database_url: str,
     amqp_url: str,
@@ -262,6 +265,9 @@ async def test_the_rate_is_a_ceiling_on_what_reaches_the_outbox(
     assert_ceiling(await enqueued_while_relayed(database_url, amqp_url, broker, run))
 
 
+# Slow (~7 s): 600 messages replayed at --rate 200 (3 s by design) with a 1.5 s stall midway, and
+# a relay delivering them; the ceiling is judged over more than 10 batches, after a stall long
+# enough to have earned a burst of 300 under the old pacing.
 async def test_a_stalled_batch_is_no_credit_for_a_burst(
     spark: SparkSession, database_url: str, amqp_url: str, broker: amqp.Broker
 ) -> None:
@@ -302,6 +308,9 @@ async def test_a_stalled_batch_is_no_credit_for_a_burst(
     assert_ceiling(await enqueued_while_relayed(database_url, amqp_url, broker, run))
 
 
+# Slow (~17 s): after the `archived` fixture's export, `pipeline replay` in a subprocess (a cold
+# JVM) is SIGKILLed after 30 messages, then the rest is replayed on the session's Spark; the kill
+# must be of a real process between its batches.
 def test_a_replay_killed_midway_and_run_again_enqueues_each_message_once(
     spark: SparkSession,
     database_url: str,
@@ -432,6 +441,9 @@ def test_a_replay_reads_only_the_days_it_selects(
     assert found.selected == len(expected) > 0
 
 
+# Slow (~15 s): small Spark jobs on the session's local[2] JVM: the `archived` fixture's export, a
+# replay that counts, sorts and reads the lake, and a second that counts it; skips are a real
+# replay's handling of refused batches, and the second run shows they are not tried again.
 def test_messages_the_outbox_refuses_today_are_skipped_and_recorded(
     spark: SparkSession, database_url: str, lake: str, archived: list[dict[str, Any]]
 ) -> None:
