@@ -30,13 +30,33 @@ def scalar(url: str, sql: str) -> int:
 
 
 def enqueue_many(url: str, exchange: str, n: int, per_transaction: int = 100) -> list[str]:
+    """`n` messages, `per_transaction` a transaction, each transaction one statement: its rows are
+    due at once, so one claim can take them all. (Row by row, a transaction's first inserts can
+    fall more than the claims' 1 s look-back behind its commit on a loaded machine: they are then
+    found by the relay's next claim, which a test that stalls the broker never lets come.)"""
     ids = []
     with psycopg.connect(url) as conn:
         for start in range(0, n, per_transaction):
-            for i in range(start, min(n, start + per_transaction)):
-                ids.append(str(relay.enqueue(conn, exchange, f"k.{i}", str(i))))
+            batch = range(start, min(n, start + per_transaction))
+            messages = [relay.Message(exchange, f"k.{i}", str(i)) for i in batch]
+            ids += [str(i) for i in relay.enqueue_many(conn, messages)]
             conn.commit()
     return ids
+
+
+def until_claimed(url: str, n: int, who: str) -> None:
+    """Until `n` rows are under a claim; on timeout, the AssertionError shows each row's state."""
+    claimed = "SELECT count(*) FROM outbox.messages WHERE claim_id IS NOT NULL"
+    try:
+        until(lambda: scalar(url, claimed) == n, message=f"{who} to claim all {n} rows")
+    except AssertionError as exc:
+        with psycopg.connect(url) as conn:
+            state = conn.execute(
+                "SELECT id, claimed_by, claim_id IS NOT NULL, attempts, available_at - created_at"
+                " FROM outbox.messages ORDER BY id"
+            ).fetchall()
+        seen = f"(id, claimed_by, claimed, attempts, due after) {state}"
+        raise AssertionError(f"{exc}; {seen}") from None
 
 
 def relay_env(database_url: str, amqp_url: str, **extra: str) -> dict[str, str]:
@@ -57,9 +77,9 @@ def wait_archived(url: str, n: int, timeout: float = 90) -> None:
     )
 
 
-# Slow (~9 s): two relay processes start, then 5,000 messages, enqueued one call each in 50
-# transactions, are relayed in batches of 100 as they arrive: enough batches for both relays to
-# claim many times over.
+# Slow (~9 s): two relay processes start, then 5,000 messages, committed in 50 transactions, are
+# relayed in batches of 100 as they arrive: enough batches for both relays to claim many times
+# over.
 async def test_two_relays_share_5000_messages_without_duplicates(
     database_url: str, amqp_url: str, broker: Broker
 ) -> None:
@@ -157,16 +177,7 @@ async def test_killed_relay_rows_are_delivered_by_another_after_the_lease(
             doomed.wait_ready()
             proxy.pause()  # its publishes now stall on the way to the broker
             ids = await asyncio.to_thread(enqueue_many, database_url, broker.exchange, 50)
-            until(
-                lambda: (
-                    scalar(
-                        database_url,
-                        "SELECT count(*) FROM outbox.messages WHERE claim_id IS NOT NULL",
-                    )
-                    == 50
-                ),
-                message="the doomed relay to claim all 50 rows",
-            )
+            until_claimed(database_url, 50, "the doomed relay")
             doomed.kill()
             proxy.cut()  # what it wrote never reaches the broker
     in_flight = scalar(
@@ -247,16 +258,7 @@ async def test_sigterm_on_a_stalled_broker_gives_rows_back_for_another_relay_at_
             stalled.wait_ready()
             proxy.pause()
             ids = await asyncio.to_thread(enqueue_many, database_url, broker.exchange, 20)
-            until(
-                lambda: (
-                    scalar(
-                        database_url,
-                        "SELECT count(*) FROM outbox.messages WHERE claim_id IS NOT NULL",
-                    )
-                    == 20
-                ),
-                message="the stalled relay's claim",
-            )
+            until_claimed(database_url, 20, "the stalled relay")
             started = time.monotonic()
             assert stalled.stop(timeout=30) == 0, stalled.output
             assert time.monotonic() - started < 15
