@@ -9,6 +9,7 @@ import bisect
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,10 +17,11 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aio_pika.abc
 import psycopg
@@ -33,7 +35,7 @@ from relay.core.filters import when
 from relay.pipeline import jobs, replay
 from relay.pipeline.database import Batch, PipelineDatabase, ReplayDatabase
 from relay.pipeline.export import Source, export
-from tests.support import amqp, inprocess
+from tests.support import amqp, databases, inprocess, services
 from tests.support.processes import clean_env
 from tests.support.wait import until, until_async
 
@@ -53,42 +55,79 @@ def quiet(_: str) -> None:
     pass
 
 
-@pytest.fixture
-def archived(spark: SparkSession, database_url: str, lake: str) -> list[dict[str, Any]]:
-    """Archive DAYS days of messages (four ordering keys among them, some with headers), export
-    them to the lake, and delete them from PostgreSQL: the lake is the only copy. Returns the
-    rows as they were, in id order."""
-    with psycopg.connect(database_url) as conn:
-        conn.execute(
-            "INSERT INTO outbox.archive (message_id, exchange, routing_key, body, headers,"
-            " properties, ordering_key, attempts, created_at, published_at)"
-            " SELECT gen_random_uuid(), (ARRAY['orders', 'orders', 'billing'])[1 + i %% 3],"
-            "        (ARRAY['order.created', 'order.paid', 'invoice.sent', 'order.paid.late'])"
-            "          [1 + i %% 4],"
-            "        convert_to('{\"i\": ' || i || '}' || repeat(' ', (i %% 13 = 0)::int * 600),"
-            "                   'UTF8'),"
-            '        CASE WHEN i %% 97 = 5 THEN \'{"x-replay": "earlier"}\''
-            "             WHEN i %% 2 = 0 THEN jsonb_build_object('tenant', 't' || i %% 7)"
-            "             ELSE '{}' END,"
-            '        \'{"content_type": "application/json"}\','
-            "        CASE WHEN i %% 5 < 4 THEN 'customer-' || i %% 11 %% 4 END,"
-            "        1, p - interval '2 ms', p"
-            " FROM (SELECT i, %(start)s + i * %(step)s AS p"
-            "       FROM generate_series(0, %(n)s - 1) AS i) AS g"
-            " ORDER BY p",
-            {"start": START, "step": timedelta(days=DAYS) / (DAYS * PER_DAY), "n": DAYS * PER_DAY},
+@dataclasses.dataclass(frozen=True)
+class Exported:
+    lake: Path  # the module's lake: each test replays from a copy of its own
+    rows: list[dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def exported(
+    spark: SparkSession,
+    svc: services.Services,
+    template_db: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Exported]:
+    """Archive DAYS days of messages (four ordering keys among them, some with headers) in a
+    database of the module's own, and export them to a lake: once, as an export takes seconds
+    of Spark and the tests only read the lake (replay reads nothing else of an export)."""
+    name = databases.create(svc.database_url, template_db)
+    url = svc.with_database(name)
+    try:
+        with psycopg.connect(url) as conn:
+            conn.execute(
+                "INSERT INTO outbox.archive (message_id, exchange, routing_key, body, headers,"
+                " properties, ordering_key, attempts, created_at, published_at)"
+                " SELECT gen_random_uuid(), (ARRAY['orders', 'orders', 'billing'])[1 + i %% 3],"
+                "        (ARRAY['order.created', 'order.paid', 'invoice.sent', 'order.paid.late'])"
+                "          [1 + i %% 4],"
+                "        convert_to('{\"i\": ' || i || '}'"
+                "                   || repeat(' ', (i %% 13 = 0)::int * 600), 'UTF8'),"
+                '        CASE WHEN i %% 97 = 5 THEN \'{"x-replay": "earlier"}\''
+                "             WHEN i %% 2 = 0 THEN jsonb_build_object('tenant', 't' || i %% 7)"
+                "             ELSE '{}' END,"
+                '        \'{"content_type": "application/json"}\','
+                "        CASE WHEN i %% 5 < 4 THEN 'customer-' || i %% 11 %% 4 END,"
+                "        1, p - interval '2 ms', p"
+                " FROM (SELECT i, %(start)s + i * %(step)s AS p"
+                "       FROM generate_series(0, %(n)s - 1) AS i) AS g"
+                " ORDER BY p",
+                {
+                    "start": START,
+                    "step": timedelta(days=DAYS) / (DAYS * PER_DAY),
+                    "n": DAYS * PER_DAY,
+                },
+            )
+        found = rows(
+            url,
+            "SELECT id, message_id::text, exchange, routing_key, body, headers, ordering_key,"
+            " published_at FROM outbox.archive ORDER BY id",
         )
-    found = rows(
-        database_url,
-        "SELECT id, message_id::text, exchange, routing_key, body, headers, ordering_key,"
-        " published_at FROM outbox.archive ORDER BY id",
-    )
-    names = ("id", "message_id", "exchange", "routing_key", "body", "headers", "key", "published")
-    with PipelineDatabase.connect(database_url, "outbox") as db:
-        source = Source(database_url, "outbox", partitions=2, fetch_size=500)
-        export(spark, lake, source, db, END + timedelta(days=1), chunk=400, say=quiet)
-    rows(database_url, "DELETE FROM outbox.archive RETURNING 1")
-    return [dict(zip(names, r, strict=True)) for r in found]
+        names = (
+            "id",
+            "message_id",
+            "exchange",
+            "routing_key",
+            "body",
+            "headers",
+            "key",
+            "published",
+        )
+        lake = tmp_path_factory.mktemp("exported") / "lake"
+        with PipelineDatabase.connect(url, "outbox") as db:
+            source = Source(url, "outbox", partitions=2, fetch_size=500)
+            export(spark, lake.as_uri(), source, db, END + timedelta(days=1), chunk=400, say=quiet)
+        yield Exported(lake, [dict(zip(names, r, strict=True)) for r in found])
+    finally:
+        databases.drop(svc.database_url, name)
+
+
+@pytest.fixture
+def archived(exported: Exported, lake: str) -> list[dict[str, Any]]:
+    """The lake holds DAYS days of archived messages, and PostgreSQL none of them: the lake is
+    the only copy. Returns the rows as they were, in id order."""
+    shutil.copytree(exported.lake, Path(urlsplit(lake).path))
+    return exported.rows
 
 
 def originals(archived: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -238,9 +277,9 @@ def assert_ceiling(enqueued: list[float]) -> None:
     assert busiest <= RATE + BATCH, f"{busiest} messages in one second at --rate {RATE}"
 
 
-# Slow (~24 s): after the `archived` fixture's export, `pipeline replay` starts a cold JVM in a
-# subprocess and sends 712 messages at --rate 200 (3.5 s by design); the ceiling must hold for the
-# command as users run it, first rows late from a cold Spark included, over more than 10 batches.
+# Slow (~24 s): `pipeline replay` starts a cold JVM in a subprocess and sends 712 messages at --rate
+# 200 (3.5 s by design); the ceiling must hold for the command as users run it, first rows late from
+# a cold Spark included, over more than 10 batches.
 async def test_the_rate_is_a_ceiling_on_what_reaches_the_outbox(
     database_url: str,
     amqp_url: str,
@@ -265,9 +304,9 @@ async def test_the_rate_is_a_ceiling_on_what_reaches_the_outbox(
     assert_ceiling(await enqueued_while_relayed(database_url, amqp_url, broker, run))
 
 
-# Slow (~7 s): 600 messages replayed at --rate 200 (3 s by design) with a 1.5 s stall midway, and
-# a relay delivering them; the ceiling is judged over more than 10 batches, after a stall long
-# enough to have earned a burst of 300 under the old pacing.
+# Slow (~7 s): 600 messages replayed at --rate 200 (3 s by design) with a 1.5 s stall midway, and a
+# relay delivering them; the ceiling is judged over more than 10 batches, after a stall long enough
+# to have earned a burst of 300 under the old pacing.
 async def test_a_stalled_batch_is_no_credit_for_a_burst(
     spark: SparkSession, database_url: str, amqp_url: str, broker: amqp.Broker
 ) -> None:
@@ -308,9 +347,9 @@ async def test_a_stalled_batch_is_no_credit_for_a_burst(
     assert_ceiling(await enqueued_while_relayed(database_url, amqp_url, broker, run))
 
 
-# Slow (~17 s): after the `archived` fixture's export, `pipeline replay` in a subprocess (a cold
-# JVM) is SIGKILLed after 30 messages, then the rest is replayed on the session's Spark; the kill
-# must be of a real process between its batches.
+# Slow (~17 s): `pipeline replay` in a subprocess (a cold JVM) is SIGKILLed after 30 messages, then
+# the rest is replayed on the session's Spark; the kill must be of a real process between its
+# batches.
 def test_a_replay_killed_midway_and_run_again_enqueues_each_message_once(
     spark: SparkSession,
     database_url: str,
@@ -441,9 +480,9 @@ def test_a_replay_reads_only_the_days_it_selects(
     assert found.selected == len(expected) > 0
 
 
-# Slow (~15 s): small Spark jobs on the session's local[2] JVM: the `archived` fixture's export, a
-# replay that counts, sorts and reads the lake, and a second that counts it; skips are a real
-# replay's handling of refused batches, and the second run shows they are not tried again.
+# Slow (~15 s): small Spark jobs on the session's local[2] JVM: a replay that counts, sorts and
+# reads the lake, and a second that counts it; skips are a real replay's handling of refused
+# batches, and the second run shows they are not tried again.
 def test_messages_the_outbox_refuses_today_are_skipped_and_recorded(
     spark: SparkSession, database_url: str, lake: str, archived: list[dict[str, Any]]
 ) -> None:
