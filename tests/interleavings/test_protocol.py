@@ -315,7 +315,7 @@ class Protocol(RuleBasedStateMachine):
 
 # Slow (~24 s): 60 Hypothesis examples of up to 80 steps, taken by real relays on PostgreSQL (the
 # broker faked); the interleavings tried are what the property covers (6 examples in the fast
-# tier). Serial in the full tier: see the note above `pytestmark` below.
+# tier). See the note above `pytestmark` below.
 def test_the_protocol_holds_under_every_interleaving_tried(database_url: str) -> None:
     Protocol.url = database_url
     run_state_machine_as_test(
@@ -339,13 +339,11 @@ def test_the_protocol_holds_under_every_interleaving_tried(database_url: str) ->
 
 #: About a third of a second a run on a 2-core machine; a long run must not meet the suite's limit.
 # What a step may do next depends on the locks alone, never on how fast the server ran
-# (World.finishable waits for a statement to finish or block), so Hypothesis replays each case the
-# same way on a loaded machine too: it passed on three workers beside the rest of the suite. Yet
-# there its 60 examples took 66 s of a worker, against the Spark and pace tests' cores (two of
-# those missed their deadlines in that run); alone it takes ~25 s. So the full tier runs it with
-# the serial tests, and the fast tier (6 examples, `interleavings`) on its workers.
+# (World.finishable waits for a statement to finish or block on one of the world's sessions), so
+# Hypothesis replays each case the same way on a loaded machine too. It runs on the workers: there
+# its 60 examples take about a minute of one (~25 s alone); the tests that time a pace run alone,
+# after (-m serial), and the replay's pace is judged in the outbox and on a clock the test moves.
 pytestmark = [
-    pytest.mark.serial,
     pytest.mark.interleavings,
     pytest.mark.timeout(180 + EXAMPLES),
 ]

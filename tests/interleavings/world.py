@@ -364,8 +364,8 @@ class World:
         while not task.done() and not (ran is not None and ran.is_set()):
             # Blocked by one of the world's sessions now: a session just woken by a commit may
             # still show its lock wait for a moment, but no longer has anyone blocking it. A
-            # wait on a server process (autovacuum truncating a table's empty tail holds ACCESS
-            # EXCLUSIVE for a moment, longer on a loaded machine) is only slowness: it passes.
+            # wait on a server process (autovacuum, where it is on, truncating a table's empty
+            # tail holds ACCESS EXCLUSIVE for a moment) is only slowness: it passes.
             cur = await self.monitor.execute(
                 "SELECT count(*) FROM pg_stat_activity w"
                 " WHERE w.application_name = %s AND w.wait_event_type = 'Lock'"
