@@ -279,6 +279,9 @@ async def test_sigterm_on_a_stalled_broker_gives_rows_back_for_another_relay_at_
     assert sorted(g.message_id for g in got) == sorted(ids)
 
 
+# Slow (~5-9 s): a relay process started anew after each of its four deaths (SIGKILLed when it
+# sends the poison row), each time waiting out the dead one's 1 s lease; four attempts allowed
+# mean four deaths before the row is buried.
 async def test_row_that_kills_its_relay_is_buried_and_spares_the_others(
     database_url: str, amqp_url: str, broker: Broker
 ) -> None:

@@ -226,7 +226,9 @@ async def test_relay_role_relays_and_nothing_else(secured: Secured, broker: Brok
     assert count(s, "archive") == 5
 
 
-# Slow (out of the fast tier): a dozen `outbox-relay` commands, each a Python start-up of ~0.4 s.
+# Slow (~6-11 s; out of the fast tier): a relay process drains four rows to dead letters as the
+# relay role, then a dozen `outbox-relay` commands run as the operator, each a Python start-up of
+# ~0.4 s; the promise is what each role may do through the commands users run.
 @pytest.mark.slow
 async def test_operator_role_runs_the_cli_and_nothing_else(
     secured: Secured, broker: Broker

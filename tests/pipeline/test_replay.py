@@ -153,6 +153,9 @@ def day(n: int) -> datetime:
     return START + timedelta(days=n)
 
 
+# Slow (~6 s; ~30 s as the first Spark test of its worker, which pays the session's JVM start and
+# the module's export): a replay through Spark in batches of 7, then a relay's deliveries collected
+# until a second passes with none (nothing else may arrive).
 async def test_a_replay_sends_exactly_its_selection_with_provenance_in_key_order(
     spark: SparkSession,
     database_url: str,
@@ -572,6 +575,8 @@ def lake_row(lake_id: int, message_id: str, **overrides: Any) -> dict[str, Any]:
     return row | overrides
 
 
+# Slow (~2 s; ~17 s as the first Spark test of its worker, which pays the session's JVM start):
+# a lake made from three rows and a replay of it, small Spark jobs on the session's JVM.
 def test_targets_archived_ids_reused_and_exact_headers_all_come_through(
     spark: SparkSession, database_url: str
 ) -> None:
@@ -598,6 +603,8 @@ def test_targets_archived_ids_reused_and_exact_headers_all_come_through(
     assert {p for _, _, _, p, _ in found} == {"0.12345678901234567890123"}
 
 
+# Slow (~3 s; ~10 s as the first Spark test of its worker, which pays the session's JVM start and
+# the module's export): a replay through Spark of two days of the lake.
 def test_two_first_runs_of_one_replay_use_the_selection_recorded_first(
     spark: SparkSession,
     database_url: str,
