@@ -7,6 +7,7 @@ import collections
 import socket
 import threading
 import time
+from datetime import UTC, datetime, timedelta
 from urllib.parse import urlsplit
 
 import psycopg
@@ -29,16 +30,20 @@ def scalar(url: str, sql: str) -> int:
         return int(row[0])
 
 
-def enqueue_many(url: str, exchange: str, n: int, per_transaction: int = 100) -> list[str]:
-    """`n` messages, `per_transaction` a transaction, each transaction one statement: its rows are
-    due at once, so one claim can take them all. (Row by row, a transaction's first inserts can
-    fall more than the claims' 1 s look-back behind its commit on a loaded machine: they are then
-    found by the relay's next claim, which a test that stalls the broker never lets come.)"""
+def enqueue_many(
+    url: str, exchange: str, n: int, per_transaction: int = 100, *, together: bool = False
+) -> list[str]:
+    """`n` messages, `per_transaction` a transaction. `together`: all of them due at one instant,
+    a second from now, so that a relay's claim finds all or none. (Each row is otherwise due at
+    its own insert's clock, and a claim sees as due only rows due by its transaction's start: one
+    that began while the rows went in took 11 of 20 under load, and left the rest to its next
+    claim, which a test that stalls the broker never lets come.)"""
+    due = datetime.now(UTC) + timedelta(seconds=1) if together else None
     ids = []
     with psycopg.connect(url) as conn:
         for start in range(0, n, per_transaction):
             batch = range(start, min(n, start + per_transaction))
-            messages = [relay.Message(exchange, f"k.{i}", str(i)) for i in batch]
+            messages = [relay.Message(exchange, f"k.{i}", str(i), available_at=due) for i in batch]
             ids += [str(i) for i in relay.enqueue_many(conn, messages)]
             conn.commit()
     return ids
@@ -176,7 +181,9 @@ async def test_killed_relay_rows_are_delivered_by_another_after_the_lease(
         with RelayProcess(doomed_env) as doomed:
             doomed.wait_ready()
             proxy.pause()  # its publishes now stall on the way to the broker
-            ids = await asyncio.to_thread(enqueue_many, database_url, broker.exchange, 50)
+            ids = await asyncio.to_thread(
+                enqueue_many, database_url, broker.exchange, 50, together=True
+            )
             until_claimed(database_url, 50, "the doomed relay")
             doomed.kill()
             proxy.cut()  # what it wrote never reaches the broker
@@ -257,7 +264,9 @@ async def test_sigterm_on_a_stalled_broker_gives_rows_back_for_another_relay_at_
         with RelayProcess(env) as stalled:
             stalled.wait_ready()
             proxy.pause()
-            ids = await asyncio.to_thread(enqueue_many, database_url, broker.exchange, 20)
+            ids = await asyncio.to_thread(
+                enqueue_many, database_url, broker.exchange, 20, together=True
+            )
             until_claimed(database_url, 20, "the stalled relay")
             started = time.monotonic()
             assert stalled.stop(timeout=30) == 0, stalled.output
