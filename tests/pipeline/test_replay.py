@@ -32,7 +32,7 @@ from pyspark.sql import types as T
 
 from relay.core import config, errors
 from relay.core.filters import when
-from relay.pipeline import jobs, replay
+from relay.pipeline import jobs, replay, sending
 from relay.pipeline.database import Batch, PipelineDatabase, ReplayDatabase
 from relay.pipeline.export import Source, export
 from tests.support import amqp, databases, inprocess, services
@@ -200,7 +200,7 @@ async def test_a_replay_sends_exactly_its_selection_with_provenance_in_key_order
     keys: dict[str, list[datetime]] = defaultdict(list)
     for m in received:
         original = by_original[m.headers["x-replay-of"]]
-        expected_id = replay.message_id("bootstrap", original["id"], original["message_id"])
+        expected_id = sending.message_id("bootstrap", original["id"], original["message_id"])
         assert m.message_id == str(expected_id)
         assert m.message_id != original["message_id"]
         assert m.routing_key == original["routing_key"]
@@ -537,21 +537,21 @@ def test_a_lake_row_becomes_its_message_with_provenance() -> None:
         ordering_key="customer-1",
         published_at=datetime(2026, 11, 20, 23, 59, 59, 999999, tzinfo=UTC),
     )
-    message = replay._message("r", row)
+    message = sending.message("r", row)
     assert message.headers == row.headers  # as the lake holds it: merged in PostgreSQL
     assert message.provenance["x-replay"] == "r"  # the newest replay names itself
     assert message.provenance["x-replay-of"] == row.message_id
     assert message.provenance["x-replay-published-at"] == "2026-11-20T23:59:59.999999+00:00"
-    assert message.message_id == replay.message_id("r", 7, row.message_id)
+    assert message.message_id == sending.message_id("r", 7, row.message_id)
     assert message.message_id not in (
-        replay.message_id("s", 7, row.message_id),
-        replay.message_id("r", 8, row.message_id),  # the same id reused by a later message
+        sending.message_id("s", 7, row.message_id),
+        sending.message_id("r", 8, row.message_id),  # the same id reused by a later message
     )
     for bad in ("[1]", "null", "not json", '{"a": NaN}', '{"a": "\\u0000"}'):
         with pytest.raises(errors.InvalidMessage, match="headers in the lake"):
-            replay._message("r", Row(**{**row.asDict(), "headers": bad}))
+            sending.message("r", Row(**{**row.asDict(), "headers": bad}))
     with pytest.raises(errors.InvalidMessage, match="missing"):
-        replay._message("r", Row(**{**row.asDict(), "body": None}))
+        sending.message("r", Row(**{**row.asDict(), "body": None}))
 
 
 def lake_rows(spark: SparkSession, *rows: dict[str, Any]) -> Any:
