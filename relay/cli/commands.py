@@ -14,6 +14,7 @@ import click
 
 from relay import __version__
 from relay.cli import archive as cli_archive
+from relay.cli import console as cli_console
 from relay.cli import dead as cli_dead
 from relay.cli import keys as cli_keys
 from relay.console.options import (
@@ -83,8 +84,8 @@ def migrate(show_status: bool, print_sql: bool, **flags: Any) -> None:
 @settings_options(*DATABASE, "log_level")
 @fail_cleanly
 def roles(**flags: Any) -> None:
-    """Create the schema's producer, relay and operator roles and grant each only what its job
-    needs (idempotent; run as the schema's owner with CREATEROLE, after `migrate`).
+    """Create the schema's producer, relay, operator and viewer roles and grant each only what
+    its job needs (idempotent; run as the schema's owner with CREATEROLE, after `migrate`).
 
     The roles cannot log in: grant them to your users, e.g. GRANT outbox_producer TO app;"""
     from relay.core import config, logs
@@ -97,6 +98,7 @@ def roles(**flags: Any) -> None:
         made.producer: "enqueue only",
         made.relay: "claim, publish, settle, archive, dead-letter",
         made.operator: "dead letters, archive, keys, stats, pipeline",
+        made.viewer: "read only: dashboards, the web console's read-only mode",
     }
     for name, job in jobs.items():
         state = "created" if name in made.created else "exists"
@@ -230,3 +232,4 @@ main.add_command(cli_dead.dead)
 main.add_command(cli_archive.archive)
 main.add_command(pipeline_commands.pipeline)
 main.add_command(cli_keys.keys)
+main.add_command(cli_console.console)

@@ -116,3 +116,41 @@ def _uuid(value: str | UUID) -> UUID:
     if not _UUID.fullmatch(value.strip()):
         raise errors.InvalidArgument(f"not a message id: {value!r}")
     return UUID(value.strip())
+
+
+def id_range(start: str) -> tuple[UUID, UUID]:
+    """The ids that begin with `start` (checked as `id_prefix` checks it), as the first and last
+    uuid of that range: a range of an index on the ids, where a LIKE on their text is a scan."""
+    digits = id_prefix(start).replace("-", "")
+    return UUID(digits.ljust(32, "0")), UUID(digits.ljust(32, "f"))
+
+
+#: The most characters a text search may have, and the most rows it reads.
+SEARCH_MAX = 200
+SEARCH_SCAN = 100_000
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeadSearch:
+    """A dead-letter filter as the web console offers it: a DeadFilter, the start of a message
+    id, and a text searched for in headers (any case) and body (as written), over at most
+    SEARCH_SCAN rows that match the rest."""
+
+    where: DeadFilter = DeadFilter()
+    id_start: str | None = None
+    text: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.id_start is not None:
+            id_prefix(self.id_start)  # InvalidArgument if it cannot start an id
+        if self.text is not None and not 1 <= len(self.text) <= SEARCH_MAX:
+            raise errors.InvalidArgument(
+                f"the text to search for must be 1 to {SEARCH_MAX} characters long"
+            )
+
+    @property
+    def bulk_ok(self) -> bool:
+        """Whether "all that match" is a set the server acts on as the CLI would (dead_matches):
+        a text search is bounded in the rows it reads, so what it matches is not the whole set,
+        and an id's start is the console's own finding aid. Those act on selected rows."""
+        return self.text is None and self.id_start is None

@@ -212,12 +212,14 @@ class Admin(pg.Session):
         to_routing_key: str | None = None,
         batch: int = 500,
         progress: Progress | None = None,
+        upto: int | None = None,
     ) -> int:
         """Move the matching dead letters back to messages, `batch` rows per transaction: each row
         leaves dead in the transaction it enters messages, keeping its message_id, with attempts
         reset and its provenance recorded (published as x-outbox-replay* headers). Safe to
         interrupt and run again: a row is moved once, or not at all. Rows whose message_id is
-        already waiting in messages are left in dead. Returns how many moved."""
+        already waiting in messages are left in dead. Returns how many moved. `upto`: act on rows
+        up to this dead id (default: the last one now; rows that die later are left)."""
         for name, value in (("exchange", to_exchange), ("routing key", to_routing_key)):
             if value is not None and len(value.encode()) > 255:
                 raise errors.InvalidArgument(f"the new {name} is longer than AMQP's 255 bytes")
@@ -226,20 +228,28 @@ class Admin(pg.Session):
             "to_exchange": to_exchange,
             "to_routing_key": to_routing_key,
         }
-        return self._batches(self._q.dead_replay_batch, params, progress)
+        return self._batches(self._q.dead_replay_batch, params, progress, upto)
 
     def dead_purge(
-        self, where: DeadFilter, *, batch: int = 1000, progress: Progress | None = None
+        self,
+        where: DeadFilter,
+        *,
+        batch: int = 1000,
+        progress: Progress | None = None,
+        upto: int | None = None,
     ) -> int:
         """Delete the matching dead letters for good, `batch` rows per transaction; how many.
         A purged message that was blocking its key leaves the key blocked: release it."""
         params = where.params() | {"batch": _batch(batch)}
-        return self._batches(self._q.dead_purge_batch, params, progress)
+        return self._batches(self._q.dead_purge_batch, params, progress, upto)
 
-    def _batches(self, query: Any, params: dict[str, Any], progress: Progress | None) -> int:
-        """Run a batch query over the dead rows that exist now, in id order, until none is
-        left; how many rows it acted on. Each batch returns its last id and its count."""
-        params = params | {"upto": self._dead_last_id(), "after": 0}
+    def _batches(
+        self, query: Any, params: dict[str, Any], progress: Progress | None, upto: int | None
+    ) -> int:
+        """Run a batch query over the dead rows that exist now (or up to id `upto`), in id
+        order, until none is left; how many rows it acted on. Each batch returns its last id
+        and its count."""
+        params = params | {"upto": self._dead_last_id() if upto is None else upto, "after": 0}
         done = 0
         while True:
             ((last, count),) = self._rows(query, params)

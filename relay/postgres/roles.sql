@@ -1,14 +1,17 @@
--- What each role may do in one outbox schema. `{schema}`, `{producer}`, `{relay}` and `{operator}`
--- are replaced by quoted, validated identifiers; nothing else is spliced in.
+-- What each role may do in one outbox schema. `{schema}`, `{producer}`, `{relay}`, `{operator}`
+-- and `{viewer}` are replaced by quoted, validated identifiers; nothing else is spliced in.
 --
 -- `outbox-relay roles` runs the whole file: the grants are rebuilt from nothing, so the file is the
 -- whole truth. `migrate` (once the roles exist) runs only the part after `-- grants --`, so a new
 -- migration's objects are covered but nothing is taken away: relays of the previous version,
 -- still running during a rolling upgrade, keep what their statements need until `roles` is run
--- after the rollout (CHANGELOG.md says when an upgrade needs that).
-REVOKE ALL ON ALL TABLES IN SCHEMA {schema} FROM {producer}, {relay}, {operator};
-REVOKE ALL ON ALL SEQUENCES IN SCHEMA {schema} FROM {producer}, {relay}, {operator};
-REVOKE ALL ON ALL FUNCTIONS IN SCHEMA {schema} FROM {producer}, {relay}, {operator};
+-- after the rollout (CHANGELOG.md says when an upgrade needs that). A role that `roles` of an
+-- earlier version did not create (the viewer) gets statements of its own after `-- grants --`,
+-- naming no other role: `migrate` leaves them out until `roles` has created it.
+-- The viewer is read-only: dashboards and the web console's read-only mode; SELECT only.
+REVOKE ALL ON ALL TABLES IN SCHEMA {schema} FROM {producer}, {relay}, {operator}, {viewer};
+REVOKE ALL ON ALL SEQUENCES IN SCHEMA {schema} FROM {producer}, {relay}, {operator}, {viewer};
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA {schema} FROM {producer}, {relay}, {operator}, {viewer};
 
 -- grants --
 GRANT USAGE ON SCHEMA {schema} TO {producer}, {relay}, {operator};
@@ -59,6 +62,8 @@ GRANT SELECT ON ALL TABLES IN SCHEMA {schema} TO {operator};
 GRANT DELETE ON {schema}.dead, {schema}.archive TO {operator};
 GRANT UPDATE (detail) ON {schema}.dead TO {operator};
 GRANT INSERT, UPDATE, DELETE ON {schema}.key_policies TO {operator};
+-- The web console records each bulk action it runs (migration 0030): who, the filter, the outcome.
+GRANT INSERT, UPDATE ON {schema}.console_actions TO {operator};
 GRANT EXECUTE ON FUNCTION
     {schema}.dead_matches({schema}.dead, text[], text, text, text, timestamptz, timestamptz,
                           uuid[]),
@@ -68,3 +73,15 @@ GRANT EXECUTE ON FUNCTION
     {schema}.forget_idle_keys(interval, text, integer),
     {schema}.prune_archive(timestamptz, integer)
 TO {operator};
+
+-- Viewers: read-only: dashboards and the web console's read-only mode; SELECT only. They read
+-- everything an operator reads, and call dead_matches (a pure SQL function, the dead-letter
+-- filters select with it). No INSERT, UPDATE, DELETE or TRUNCATE (so no SELECT ... FOR UPDATE
+-- either), no other function: nothing a viewer login runs changes a row or takes a lock stronger
+-- than a read's.
+GRANT USAGE ON SCHEMA {schema} TO {viewer};
+GRANT SELECT ON ALL TABLES IN SCHEMA {schema} TO {viewer};
+GRANT EXECUTE ON FUNCTION
+    {schema}.dead_matches({schema}.dead, text[], text, text, text, timestamptz, timestamptz,
+                          uuid[])
+TO {viewer};

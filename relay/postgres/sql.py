@@ -1,5 +1,6 @@
 """Loads the named statements of queries/*.sql (one file per role that runs them: relay,
-producer, migrate, admin, pipeline; and the locks they share), bound to one outbox schema."""
+producer, migrate, admin, pipeline, console; and the locks they share), bound to one outbox
+schema."""
 
 from __future__ import annotations
 
@@ -78,6 +79,35 @@ class Queries:
     replay_start: LiteralString
     replay_batch: LiteralString
     replay_skip: LiteralString
+    console_session: LiteralString
+    console_rights: LiteralString
+    console_backlog: LiteralString
+    console_rates: LiteralString
+    console_relays: LiteralString
+    console_horizon: LiteralString
+    dead_page_head: LiteralString
+    dead_page_searched_head: LiteralString
+    dead_page_searched_tail: LiteralString
+    dead_page_reasons: LiteralString
+    dead_page_exchange: LiteralString
+    dead_page_routing_key: LiteralString
+    dead_page_key: LiteralString
+    dead_page_since: LiteralString
+    dead_page_until: LiteralString
+    dead_page_ids: LiteralString
+    dead_page_id_range: LiteralString
+    dead_page_before: LiteralString
+    dead_page_tail: LiteralString
+    dead_by_id: LiteralString
+    message_whereabouts: LiteralString
+    gated_keys: LiteralString
+    action_start: LiteralString
+    action_interrupt_stale: LiteralString
+    action_progress: LiteralString
+    action_end: LiteralString
+    action_get: LiteralString
+    action_latest: LiteralString
+    action_list: LiteralString
 
 
 def parse(text: str) -> dict[str, str]:

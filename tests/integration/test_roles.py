@@ -12,7 +12,8 @@ import pytest
 from psycopg import errors as pgerrors
 
 import relay
-from relay.postgres import migrate, roles
+from relay.core.filters import DeadFilter
+from relay.postgres import admin, migrate, roles
 from tests.support.amqp import Broker
 from tests.support.processes import RelayProcess, clean_env, run_cli
 
@@ -86,10 +87,10 @@ def test_roles_command_creates_the_roles_once(empty_database_url: str) -> None:
         assert first.returncode == 0, first.stderr
         for job in roles.JOBS:
             assert f"{schema}_{job}" in first.stdout
-        assert first.stdout.count("created") == 3
+        assert first.stdout.count("created") == len(roles.JOBS)
         again = run_cli("roles", env=env)  # idempotent: the roles exist, the grants are redone
         assert again.returncode == 0, again.stderr
-        assert again.stdout.count("exists") == 3
+        assert again.stdout.count("exists") == len(roles.JOBS)
     finally:
         with psycopg.connect(empty_database_url, autocommit=True) as conn:
             for job in roles.JOBS:
@@ -345,3 +346,116 @@ def test_replays_from_the_lake_run_as_producers_through_their_functions(
     finally:
         with psycopg.connect(s.owner_url, autocommit=True) as conn:
             conn.execute(psycopg.sql.SQL("DROP ROLE {}").format(psycopg.sql.Identifier(other)))
+
+
+def test_viewer_reads_what_an_operator_reads_and_changes_nothing(secured: Secured) -> None:
+    # The web console's read-only mode and dashboards log in as the viewer: every table, the
+    # dead-letter filter, the operators' read paths; no write, no other function.
+    s, viewer = secured, secured.url("viewer")
+    q = f'"{s.schema}"'
+    with psycopg.connect(s.url("producer")) as conn:
+        relay.enqueue(conn, "x", "a.b", b"waiting", ordering_key="k", schema=s.schema)
+    with psycopg.connect(s.owner_url) as conn:
+        conn.execute(
+            f"INSERT INTO {q}.dead (message_id, exchange, routing_key, body, headers, properties, "
+            "attempts, reason, created_at) "
+            "VALUES (gen_random_uuid(), 'x', 'a.b', 'b', '{}', '{}', 1, 'nope', now())".encode()
+        )
+        conn.execute(
+            f"INSERT INTO {q}.archive (message_id, exchange, routing_key, body, headers, "
+            "properties, attempts, created_at) "
+            "VALUES (gen_random_uuid(), 'x', 'a.b', 'b', '{}', '{}', 1, now())".encode()
+        )
+        tables = [
+            str(name)
+            for (name,) in conn.execute(
+                "SELECT tablename FROM pg_tables WHERE schemaname = %s", [s.schema]
+            )
+        ]
+    assert {"messages", "archive", "dead", "key_policies", "settings"} <= set(tables)
+    with psycopg.connect(viewer) as conn:
+        for table in tables:  # every table, as the operator's GRANT SELECT ON ALL TABLES
+            conn.execute(f'SELECT * FROM {q}."{table}"'.encode()).fetchall()
+        counts = [
+            conn.execute(f"SELECT count(*) FROM {q}.{table}".encode()).fetchone()
+            for table in ("messages", "archive", "dead")
+        ]
+        assert counts == [(1,), (1,), (1,)]
+        matched = conn.execute(
+            f"SELECT count(*) FROM {q}.dead d WHERE {q}.dead_matches(d, ARRAY['nope'])".encode()
+        ).fetchone()
+        assert matched == (1,)
+    with admin.Admin.connect(viewer, s.schema) as ops:  # what `dead list`, `stats`... read
+        assert [row.reason for row in ops.dead_list(DeadFilter.build(reasons=["nope"]))] == ["nope"]
+        assert ops.dead_count() == 1
+        assert len(ops.dead_stats()) == 1
+        ops.blocked_keys()
+        ops.policies()
+        ops.archive_stats(exact=True)
+    for statement in (
+        f"DELETE FROM {q}.dead",
+        f"SELECT {q}.replay_dead(ARRAY[1::bigint])",
+        f"SELECT {q}.release_key('k')",
+        f"INSERT INTO {q}.key_policies (prefix) VALUES ('a')",
+        f"SELECT {q}.enqueue('x', 'y', ''::bytea)",
+        f"SELECT {q}.enqueue_json('x', 'y', '{{}}')",
+        f"UPDATE {q}.dead SET detail = ''",
+        f"SELECT 1 FROM {q}.dead FOR UPDATE",
+        f"UPDATE {q}.messages SET body = ''",
+        f"INSERT INTO {q}.messages (message_id, exchange, routing_key, body) "
+        "VALUES (gen_random_uuid(), 'x', 'y', '')",
+        f"DELETE FROM {q}.archive",
+        f"TRUNCATE {q}.dead",
+        f"UPDATE {q}.settings SET max_body_bytes = 0",
+        f"LOCK TABLE {q}.messages IN ROW EXCLUSIVE MODE",
+        f"SELECT * FROM {q}.prune_archive(now(), 10)",
+        f"SELECT * FROM {q}.forget_idle_keys('1 hour', NULL, 10)",
+        f"SELECT * FROM {q}.key_policy('k')",
+        f"SELECT * FROM {q}.claim(NULL)",
+        f"CREATE TABLE {q}.mine (i int)",
+    ):
+        forbidden(viewer, statement)
+    assert (count(s, "messages"), count(s, "archive"), count(s, "dead")) == (1, 1, 1)
+
+
+def test_migrate_grants_the_roles_an_earlier_roles_set_up(secured: Secured) -> None:
+    # An installation whose roles `roles` of an earlier version created has no viewer role:
+    # `migrate` (which creates no role) succeeds and still grants the other roles theirs; the
+    # next `roles` creates the viewer.
+    s = secured
+    viewer = f"{s.schema}_viewer"
+    with psycopg.connect(s.owner_url, autocommit=True) as conn:  # as if `roles` never made it
+        conn.execute(psycopg.sql.SQL("DROP OWNED BY {}").format(psycopg.sql.Identifier(viewer)))
+        conn.execute(psycopg.sql.SQL("DROP ROLE {}").format(psycopg.sql.Identifier(viewer)))
+    lost = (
+        "REVOKE EXECUTE ON FUNCTION enqueue(text, text, bytea, jsonb, jsonb, timestamptz, text,"
+        f' uuid) FROM "{s.schema}_producer";'
+    )
+    migrate.migrate(
+        s.owner_url, s.schema, [*migrate.discover(), migrate.Migration(9999, "p", lost)]
+    )
+    with psycopg.connect(s.url("producer")) as conn:  # the producer's grant came back
+        relay.enqueue(conn, "x", "a.b", b"after", schema=s.schema)
+    with psycopg.connect(s.owner_url) as conn:
+        exists = conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", [viewer]).fetchone()
+    assert exists is None  # migrate created no role
+    made = roles.ensure(s.owner_url, s.schema)
+    assert made.created == (viewer,)
+    with psycopg.connect(s.owner_url) as conn:
+        can = conn.execute(
+            "SELECT has_table_privilege(%s, %s, 'SELECT'), has_table_privilege(%s, %s, 'DELETE')",
+            [viewer, f"{s.schema}.dead", viewer, f"{s.schema}.dead"],
+        ).fetchone()
+    assert can == (True, False)
+
+
+def test_migrate_grants_nothing_before_the_roles_are_set_up(empty_database_url: str) -> None:
+    # Before `roles` has run, migrate grants nothing and creates no role.
+    schema = f"s{uuid.uuid4().hex[:10]}"
+    migrate.migrate(empty_database_url, schema)
+    with psycopg.connect(empty_database_url, autocommit=True) as conn:
+        assert not roles.refresh(conn, schema)
+        found = conn.execute(
+            "SELECT count(*) FROM pg_roles WHERE rolname LIKE %s", [f"{schema}\\_%"]
+        ).fetchone()
+    assert found == (0,)

@@ -140,7 +140,12 @@ def _declared_labels(registry: prometheus_client.CollectorRegistry, name: str) -
 
 
 _GRANT = re.compile(r"GRANT EXECUTE ON FUNCTION(.*?)TO \{(\w+)\};", re.S)
-_ROLES = {"producer": "outbox_producer", "relay": "outbox_relay", "operator": "outbox_operator"}
+_ROLES = {
+    "producer": "outbox_producer",
+    "relay": "outbox_relay",
+    "operator": "outbox_operator",
+    "viewer": "outbox_viewer",
+}
 
 
 def sql_api() -> str:

@@ -43,3 +43,25 @@ def test_migrate_grants_roles_sql_without_taking_anything_away() -> None:
     assert "GRANT EXECUTE" in additive
     assert "GRANT USAGE" in additive
     assert roles.grants("outbox").upper().count("REVOKE ALL") == 3
+
+
+def test_migrate_leaves_out_only_the_grants_of_roles_an_earlier_roles_did_not_create() -> None:
+    # An installation set up by an earlier `roles` has no viewer role until `roles` runs again:
+    # `migrate` grants the others all of theirs meanwhile.
+    every = roles.grants("outbox", revoke=False)
+    earlier = roles.grants("outbox", revoke=False, without=roles.LATER)
+    assert roles.LATER == ("viewer",)
+    assert '"outbox_viewer"' in every
+    assert '"outbox_viewer"' not in earlier
+    for name in ("outbox_producer", "outbox_relay", "outbox_operator"):
+        assert earlier.count(f'"{name}"') == every.count(f'"{name}"') > 0
+    with pytest.raises(ValueError, match="REVOKE"):
+        roles.grants("outbox", without=roles.LATER)  # `roles` creates every role first
+
+
+def test_role_names_are_never_truncated() -> None:
+    made = roles.names("s" * 54)
+    assert made.names() == tuple(f"{'s' * 54}_{job}" for job in roles.JOBS)
+    assert max(len(name) for name in made.names()) == 63
+    with pytest.raises(errors.ConfigError, match="at most 54 characters"):
+        roles.names("s" * 55)

@@ -1,0 +1,229 @@
+"""The web console's bulk actions on dead letters: replay or purge every row a filter matches,
+recorded in console_actions (who, when, the filter, the count, the outcome), run in batches by
+Admin (the CLI's own replay and purge), one action per selection at a time.
+
+Why it cannot replay a row twice: each batch moves a row from `dead` in the transaction that
+locks it (FOR UPDATE SKIP LOCKED), so two actions, or an action and the CLI, split the rows
+between them. Why a second operator is told what happened rather than starting again: the unique
+index over running selections refuses the second start, and a start that finds nothing left
+names the action that took it."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import threading
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, Literal
+
+import psycopg
+import psycopg.errors
+from psycopg.types.json import Jsonb
+
+from relay.core import errors
+from relay.core.filters import DeadFilter
+from relay.postgres import admin, pg, sql
+
+Kind = Literal["replay", "purge"]
+#: An action whose console has not written for this long is taken for dead (it writes after
+#: every batch, and a batch is short): the next start of its selection marks it interrupted.
+STALE_AFTER = 60.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Action:
+    id: int
+    kind: str
+    who: str
+    db_user: str
+    filter: dict[str, Any]
+    matched: int
+    done: int
+    state: str  # running, finished, failed, interrupted
+    detail: str
+    started_at: datetime
+    beat_at: datetime
+    finished_at: datetime | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Started:
+    action: Action
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Already:
+    """The same selection is being acted on (running), or nothing matches any more and this is
+    the action that last acted on it (None: none did)."""
+
+    action: Action | None
+    running: bool
+
+
+def selection(kind: Kind, where: DeadFilter) -> str:
+    """What makes two actions the same: their kind and their filter, canonically."""
+    text = json.dumps({"kind": kind, "filter": describe(where)}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def describe(where: DeadFilter) -> dict[str, Any]:
+    """The filter as the record keeps it (JSON: times in ISO 8601, ids as text)."""
+    out: dict[str, Any] = {}
+    for field in dataclasses.fields(where):
+        value = getattr(where, field.name)
+        if value is None:
+            continue
+        if isinstance(value, datetime):
+            value = value.isoformat()
+        elif isinstance(value, tuple):
+            value = [str(v) for v in value]
+        out[field.name] = value
+    return out
+
+
+class Actions:
+    """Starts and runs bulk actions against one schema, each on a connection of its own."""
+
+    def __init__(self, conninfo: str, schema: str = "outbox", *, pooled: bool = False) -> None:
+        self._conninfo = conninfo
+        self._schema = schema
+        self._pooled = pooled
+        self._q = sql.load(schema)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(
+        self,
+        kind: Kind,
+        who: str,
+        where: DeadFilter,
+        *,
+        batch: int = 500,
+        on_end: Callable[[Action], object] | None = None,
+    ) -> Started | Already:
+        """Record the action and start it in the background; or say who is already at it."""
+        chosen = selection(kind, where)
+        with admin.Admin.connect(self._conninfo, self._schema, pooled=self._pooled) as ops:
+            matched = ops.dead_count(where)
+            conn = ops._conn
+            with pg.translate_errors(self._schema):
+                conn.execute(
+                    self._q.action_interrupt_stale, {"selection": chosen, "stale": STALE_AFTER}
+                )
+                if matched == 0:
+                    return Already(self._latest(conn, chosen), running=False)
+                try:
+                    row = conn.execute(
+                        self._q.action_start,
+                        {
+                            "kind": kind,
+                            "who": who,
+                            "filter": Jsonb(describe(where)),
+                            "selection": chosen,
+                            "matched": matched,
+                        },
+                    ).fetchone()
+                except psycopg.errors.UniqueViolation:
+                    return Already(self._latest(conn, chosen), running=True)
+            assert row is not None
+            action_id, upto = int(row[0]), int(row[1])
+            action = self._get(conn, action_id)
+        assert action is not None  # written just now, in this session
+        thread = threading.Thread(
+            target=self._run,
+            args=(action_id, kind, where, upto, batch, on_end),
+            name=f"console action {action_id}",
+            daemon=True,
+        )
+        self._threads.append(thread)
+        thread.start()
+        return Started(action)
+
+    def get(self, action_id: int) -> Action | None:
+        with pg.session(self._conninfo, self._schema, "console", pooled=self._pooled) as conn:
+            return self._get(conn, action_id)
+
+    def recent(self, limit: int = 50) -> list[Action]:
+        with pg.session(self._conninfo, self._schema, "console", pooled=self._pooled) as conn:
+            with pg.translate_errors(self._schema):
+                rows = conn.execute(self._q.action_list, {"limit": limit}).fetchall()
+            return [Action(*row) for row in rows]
+
+    def join(self, timeout: float | None = None) -> None:
+        """Waits for the actions started so far to end."""
+        for thread in self._threads:
+            thread.join(timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ends the running actions after their current batch (recorded as interrupted)."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout)
+
+    def _get(self, conn: psycopg.Connection[Any], action_id: int) -> Action | None:
+        with pg.translate_errors(self._schema):
+            row = conn.execute(self._q.action_get, {"id": action_id}).fetchone()
+        return None if row is None else Action(*row)
+
+    def _latest(self, conn: psycopg.Connection[Any], chosen: str) -> Action | None:
+        with pg.translate_errors(self._schema):
+            row = conn.execute(self._q.action_latest, {"selection": chosen}).fetchone()
+        return None if row is None else Action(*row)
+
+    def _run(
+        self,
+        action_id: int,
+        kind: Kind,
+        where: DeadFilter,
+        upto: int,
+        batch: int,
+        on_end: Callable[[Action], object] | None,
+    ) -> None:
+        state, detail = "finished", ""
+        try:
+            with admin.Admin.connect(self._conninfo, self._schema, pooled=self._pooled) as ops:
+                conn = ops._conn
+                beat = self._q.action_progress
+
+                def progress(done: int) -> None:
+                    conn.execute(beat, {"id": action_id, "done": done})
+                    if self._stop.is_set():
+                        raise _Stopped
+
+                try:
+                    if kind == "replay":
+                        ops.dead_replay(where, batch=batch, progress=progress, upto=upto)
+                    else:
+                        ops.dead_purge(where, batch=batch, progress=progress, upto=upto)
+                except _Stopped:
+                    state, detail = "interrupted", "the console stopped; start it again to go on"
+                self._end(conn, action_id, state, detail, on_end)
+        except (errors.RelayError, psycopg.Error) as exc:
+            self._fail(action_id, pg.first_line(exc), on_end)
+
+    def _end(
+        self,
+        conn: psycopg.Connection[Any],
+        action_id: int,
+        state: str,
+        detail: str,
+        on_end: Callable[[Action], object] | None,
+    ) -> None:
+        conn.execute(self._q.action_end, {"id": action_id, "state": state, "detail": detail})
+        action = self._get(conn, action_id)
+        if on_end is not None and action is not None:
+            on_end(action)
+
+    def _fail(self, action_id: int, detail: str, on_end: Callable[[Action], object] | None) -> None:
+        """Record a failure on a new connection (the action's own may be what failed)."""
+        try:
+            with pg.session(self._conninfo, self._schema, "console", pooled=self._pooled) as conn:
+                self._end(conn, action_id, "failed", detail, on_end)
+        except (errors.RelayError, psycopg.Error):
+            pass  # the record stays running and goes stale: the next start marks it interrupted
+
+
+class _Stopped(Exception):
+    """Raised between batches to end an action when the console stops."""

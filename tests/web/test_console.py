@@ -1,0 +1,357 @@
+"""The web console against a real PostgreSQL, through Starlette's test client (HTTP without a
+socket): pages, filters, bulk actions and their record, and the boundary (auth, CSRF, roles,
+bad input, security headers). tests/web/test_browser.py drives it in Chromium."""
+
+from __future__ import annotations
+
+import html
+import re
+import threading
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from click.testing import CliRunner
+from starlette.testclient import TestClient
+
+from relay.cli.commands import main
+from relay.core.filters import DeadFilter
+from relay.postgres import actions
+from relay.web import app, security
+from tests.integration.test_dead_letters import insert_dead
+
+
+def client(database_url: str, **config: Any) -> TestClient:
+    return TestClient(app.create_app(app.Config(database_url, **config)))
+
+
+@pytest.fixture
+def web(database_url: str) -> Iterator[TestClient]:
+    with client(database_url) as c:
+        yield c
+
+
+def csrf(page: str) -> str:
+    found = re.search(r'name="csrf" value="([0-9a-f]+)"', page)
+    assert found, "the page has no CSRF token"
+    return found[1]
+
+
+def dead_ids(url: str) -> set[uuid.UUID]:
+    with psycopg.connect(url) as conn:
+        return {row[0] for row in conn.execute("SELECT message_id FROM outbox.dead")}
+
+
+def waiting(url: str) -> list[uuid.UUID]:
+    with psycopg.connect(url) as conn:
+        return [row[0] for row in conn.execute("SELECT message_id FROM outbox.messages")]
+
+
+def test_every_page_answers_with_the_security_headers(web: TestClient, database_url: str) -> None:
+    insert_dead(database_url, [{"ordering_key": "k1", "seq": 1}])
+    for path in ("/", "/dead", "/keys", "/actions", "/static/htmx.min.js"):
+        response = web.get(path)
+        assert response.status_code == 200, path
+        csp = response.headers["content-security-policy"]
+        assert "frame-ancestors 'none'" in csp
+        assert "script-src 'self'" in csp
+        assert "unsafe-inline" not in csp
+        assert response.headers["x-frame-options"] == "DENY"
+    page = web.get("/").text
+    assert not re.search(r"<script(?![^>]*\bsrc=)", page)
+    assert not re.search(r"\son[a-z]+=", page)
+
+
+def test_the_overview_shows_backlog_relays_horizon_and_dead_by_reason(
+    web: TestClient, database_url: str
+) -> None:
+    insert_dead(database_url, [{"reason": "unroutable"}, {"reason": "rejected"}] * 2)
+    with psycopg.connect(database_url) as conn:
+        conn.execute("SELECT outbox.enqueue('orders', 'order.paid', 'x'::bytea)")
+    page = web.get("/").text
+    assert re.search(r"<td>orders</td><td>1</td>", page)
+    assert "No relay is connected." in page
+    assert 'id="horizon"' in page
+    assert re.search(r"unroutable</a></td><td>x</td><td>2</td>", page)
+    live = web.get("/", headers={"HX-Request": "true"}).text
+    assert "<html" not in live
+    assert "orders" in live
+
+
+def test_filters_and_keyset_pages(web: TestClient, database_url: str) -> None:
+    now = datetime.now(UTC)
+    rows = [
+        {
+            "reason": "unroutable",
+            "routing_key": f"order.{i}",
+            "failed_at": now - timedelta(minutes=i),
+        }
+        for i in range(7)
+    ] + [{"reason": "rejected", "routing_key": "invoice.1", "failed_at": now}]
+    ids = insert_dead(database_url, rows)
+    page = web.get("/dead", params={"reason": "unroutable", "limit": "3"}).text
+    shown = re.findall(r"<code>([0-9a-f-]{36})</code>", page)
+    assert shown == [str(i) for i in ids[:3]]  # newest first
+    seen = list(shown)
+    while (more := re.search(r'id="next" href="/dead\?([^"]+)"', page)) is not None:
+        page = web.get("/dead?" + more[1].replace("&amp;", "&")).text
+        seen += re.findall(r"<code>([0-9a-f-]{36})</code>", page)
+    assert seen == [str(i) for i in ids[:7]]
+    page = web.get("/dead", params={"routing_key": "invoice.*"}).text
+    assert re.findall(r"<code>([0-9a-f-]{36})</code>", page) == [str(ids[7])]
+    page = web.get("/dead", params={"id": str(ids[4])[:8]}).text
+    assert str(ids[4]) in page
+    page = web.get("/dead", params={"text": str(ids[5])}).text  # the body is the id's text
+    assert re.findall(r"<code>([0-9a-f-]{36})</code>", page) == [str(ids[5])]
+    assert 'id="search-bound"' in page
+    page = web.get("/dead", params={"exchange": "nothing-here"}).text
+    assert 'id="nothing"' in page
+
+
+@pytest.mark.parametrize(
+    ("params", "says"),
+    [
+        ({"reason": "bogus"}, "unknown reason"),
+        ({"limit": "100000"}, "a page shows 1 to 500 rows"),
+        ({"limit": "many"}, "limit must be a whole number"),
+        ({"since": "yesterday-ish"}, "not a time"),
+        ({"since": "1h", "until": "2h"}, "--since must be before --until"),
+        ({"id": "xyz"}, "not a message id or the start of one"),
+        ({"before": "!!"}, "not a page position"),
+        ({"exchange": "e" * 400}, "longer than 300 characters"),
+    ],
+)
+def test_bad_input_is_a_400_with_one_line(
+    web: TestClient, params: dict[str, str], says: str
+) -> None:
+    response = web.get("/dead", params=params)
+    assert response.status_code == 400
+    assert says in response.text
+    assert "Traceback" not in response.text
+
+
+def test_unknown_rows_and_actions_are_404(web: TestClient) -> None:
+    for path in ("/dead/999999", "/dead/abc", "/actions/424242"):
+        response = web.get(path)
+        assert response.status_code == 404, path
+    assert web.get("/where", params={"message_id": "nope"}).status_code == 400
+
+
+def test_a_message_page_shows_json_pretty_and_binary_safely(
+    web: TestClient, database_url: str
+) -> None:
+    insert_dead(database_url, [{}, {}])
+    with psycopg.connect(database_url) as conn:
+        first, second = (r[0] for r in conn.execute("SELECT id FROM outbox.dead ORDER BY id"))
+        conn.execute("UPDATE outbox.dead SET body = %s WHERE id = %s", (b'{"a": [1, 2]}', first))
+        conn.execute(
+            "UPDATE outbox.dead SET body = %s WHERE id = %s", (b"\x00\xff<script>", second)
+        )
+    page = html.unescape(web.get(f"/dead/{first}").text)
+    assert 'data-kind="json"' in page
+    assert '"a": [\n    1,' in page
+    page = web.get(f"/dead/{second}").text
+    assert 'data-kind="binary"' in page
+    assert "00 ff 3c 73" in page
+    assert "<script>" not in page.split('id="body"')[1]
+
+
+def test_a_write_without_its_csrf_token_is_refused(web: TestClient, database_url: str) -> None:
+    insert_dead(database_url, [{}])
+    for token in (None, "0" * 64):
+        form = {"kind": "replay", "scope": "all"} | ({"csrf": token} if token else {})
+        response = web.post("/dead/act", data=form)
+        assert response.status_code == 403
+        assert "CSRF" in response.text
+    assert len(dead_ids(database_url)) == 1
+
+
+def until_ended(web: TestClient, action_id: int) -> str:
+    deadline = datetime.now(UTC) + timedelta(seconds=60)
+    while datetime.now(UTC) < deadline:
+        page = web.get(f"/actions/{action_id}", headers={"HX-Request": "true"}).text
+        state = re.search(r'data-state="(\w+)"', page)
+        assert state
+        if state[1] != "running":
+            return state[1]
+    raise AssertionError(f"action {action_id} still running after 60 s")
+
+
+def test_replay_all_matching_asks_once_moves_each_row_and_is_recorded(
+    web: TestClient, database_url: str
+) -> None:
+    ids = insert_dead(database_url, [{"reason": "unroutable"}] * 5 + [{"reason": "rejected"}])
+    page = web.get("/dead", params={"reason": "unroutable"}).text
+    token = csrf(page)
+    confirm = web.post(
+        "/dead/confirm",
+        data={"csrf": token, "kind": "replay", "scope": "all", "reason": "unroutable"},
+    )
+    assert confirm.status_code == 200
+    assert "Replay 5 dead letters?" in confirm.text
+    fields = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)">', confirm.text))
+    done = web.post("/dead/act", data=fields, follow_redirects=False)
+    assert done.status_code == 303
+    action_id = int(done.headers["location"].rsplit("/", 1)[1])
+    assert until_ended(web, action_id) == "finished"
+    assert sorted(waiting(database_url)) == sorted(ids[:5])
+    assert dead_ids(database_url) == {ids[5]}
+    with psycopg.connect(database_url) as conn:
+        who, kind, flt, matched, done_rows, state = (
+            conn.execute(
+                "SELECT who, kind, filter, matched, done, state FROM outbox.console_actions"
+            ).fetchone()
+            or ()
+        )
+    assert (kind, flt, matched, done_rows, state) == (
+        "replay",
+        {"reasons": ["unroutable"]},
+        5,
+        5,
+        "finished",
+    )
+    assert who.endswith("@localhost")
+    again = web.post("/dead/act", data=fields)
+    assert again.status_code == 409
+    assert f"#{action_id}" in again.text
+    assert "No row matches this filter any more" in again.text
+
+
+def test_two_replays_of_one_filter_at_once_send_each_row_once(database_url: str) -> None:
+    ids = insert_dead(database_url, [{"reason": "unroutable"}] * 3000)
+    runner = actions.Actions(database_url)
+    where = DeadFilter(reasons=("unroutable",))
+    outcomes: list[Any] = []
+    go = threading.Barrier(2)
+
+    def start(who: str) -> None:
+        go.wait()
+        outcomes.append(runner.start("replay", who, where, batch=100))
+
+    threads = [threading.Thread(target=start, args=(w,)) for w in ("alice", "bob")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    runner.join(timeout=120)
+    started = [o for o in outcomes if isinstance(o, actions.Started)]
+    told = [o for o in outcomes if isinstance(o, actions.Already)]
+    assert len(started) == 1
+    assert len(told) == 1
+    assert told[0].action is not None
+    assert told[0].action.id == started[0].action.id
+    sent = waiting(database_url)
+    assert sorted(sent) == sorted(ids)  # every row once: no message_id twice
+    final = runner.get(started[0].action.id)
+    assert final is not None
+    assert (final.state, final.done) == ("finished", 3000)
+
+
+def test_a_viewer_login_sees_no_buttons_and_a_forged_write_is_refused(
+    database_url: str,
+) -> None:
+    from relay.postgres import roles
+
+    insert_dead(database_url, [{}])
+    made = roles.ensure(database_url, "outbox")
+    login = f"viewer_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f'CREATE ROLE "{login}" LOGIN IN ROLE "{made.viewer}"')
+    url = database_url.replace("postgres@", f"{login}@", 1)
+    try:
+        with client(url) as c:
+            page = c.get("/dead").text
+            assert "Replay" not in page
+            assert "select" not in page.split("<table")[1][:200]
+            assert "read-only" in page
+            forged = c.post("/dead/act", data={"csrf": csrf(page), "kind": "purge", "scope": "all"})
+            assert forged.status_code == 403
+            assert "reads only" in forged.text
+        assert len(dead_ids(database_url)) == 1
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(f'DROP OWNED BY "{login}"')
+            conn.execute(f'DROP ROLE "{login}"')
+
+
+def test_read_only_mode_refuses_writes(database_url: str) -> None:
+    insert_dead(database_url, [{}])
+    with client(database_url, read_only=True) as c:
+        page = c.get("/dead").text
+        assert "Purge" not in page
+        response = c.post("/dead/act", data={"csrf": csrf(page), "kind": "purge", "scope": "all"})
+        assert response.status_code == 403
+        assert "read-only mode" in response.text
+    assert len(dead_ids(database_url)) == 1
+
+
+def test_a_login_is_asked_for_and_checked(database_url: str, tmp_path: Any) -> None:
+    users = tmp_path / "users"
+    security.add_user(users, "alice", "correct horse")
+    assert "correct horse" not in users.read_text()
+    access = security.Access(security.read_users(users))
+    with client(database_url, access=access) as c:
+        response = c.get("/")
+        assert response.status_code == 401
+        assert response.headers["www-authenticate"].startswith("Basic")
+        assert c.get("/", auth=("alice", "wrong")).status_code == 401
+        assert c.get("/", auth=("mallory", "correct horse")).status_code == 401
+        assert c.get("/", auth=("alice", "correct horse")).status_code == 200
+        assert c.get("/static/console.css").status_code == 401
+    with client(database_url, access=security.Access(trusted_header="X-Forwarded-User")) as c:
+        assert c.get("/").status_code == 401
+        page = c.get("/", headers={"X-Forwarded-User": "bob"})
+        assert page.status_code == 200
+        assert "bob" in page.text
+
+
+def test_the_keys_page_releases_a_blocked_key_saying_what_it_does(
+    web: TestClient, database_url: str
+) -> None:
+    (dead_id,) = insert_dead(database_url, [{"ordering_key": "k1", "seq": 1}])
+    with psycopg.connect(database_url) as conn:
+        conn.execute("INSERT INTO outbox.keys VALUES ('k1', 2, 1, '0', NULL)")
+        conn.execute(
+            "INSERT INTO outbox.blocked_keys (ordering_key, message_id, seq, reason)"
+            " VALUES ('k1', %s, 1, 'unroutable')",
+            (dead_id,),
+        )
+    page = web.get("/keys").text
+    assert "Replay it, then go on" in page
+    assert "Skip it" in page
+    response = web.post("/keys/release", data={"csrf": csrf(page), "key": "k1", "mode": "replay"})
+    assert response.status_code == 200
+    assert "goes on" in response.text
+    assert waiting(database_url) == [dead_id]
+    again = web.post("/keys/release", data={"csrf": csrf(page), "key": "k1", "mode": "skip"})
+    assert again.status_code == 409
+    assert "was not blocked" in again.text
+
+
+def test_the_command_refuses_to_listen_beyond_loopback_without_a_login(tmp_path: Any) -> None:
+    result = CliRunner().invoke(main, ["console", "--host", "0.0.0.0"], prog_name="outbox-relay")
+    assert result.exit_code == 2
+    assert "no login" in result.output
+    assert "Traceback" not in result.output
+    users = tmp_path / "users"
+    added = CliRunner().invoke(
+        main,
+        ["console", "add-user", "alice", "--users-file", str(users)],
+        input="s3cret\n",
+        prog_name="outbox-relay",
+    )
+    assert added.exit_code == 0, added.output
+    assert "s3cret" not in added.output
+    assert "s3cret" not in users.read_text()
+    assert security.check_password(security.read_users(users)["alice"], "s3cret")
+    bad = CliRunner().invoke(
+        main,
+        ["console", "add-user", "no spaces", "--users-file", str(users)],
+        input="x\n",
+        prog_name="outbox-relay",
+    )
+    assert bad.exit_code == 2
+    assert "not a user name" in bad.output
