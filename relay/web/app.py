@@ -15,7 +15,7 @@ import jinja2
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import RedirectResponse, Response
+from starlette.responses import PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
@@ -96,6 +96,11 @@ def problem(request: Request, status: int, message: str) -> Response:
 
 
 # Pages ------------------------------------------------------------------------------------------
+
+
+async def healthz(request: Request) -> Response:
+    """For probes: answers without a login, and says nothing but that it is up."""
+    return PlainTextResponse("ok")
 
 
 async def overview(request: Request) -> Response:
@@ -276,7 +281,7 @@ class Boundary:
         self._access = access
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] == "/healthz":
             await self._app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
@@ -319,12 +324,13 @@ def create_app(config: Config) -> Starlette:
             await run_in_threadpool(console.stop)
 
     routes = [
+        Route("/healthz", healthz),
         Route("/", guarded(overview)),
         Route("/dead", guarded(dead)),
-        Route("/dead/{dead_id}", guarded(dead_row)),
-        Route("/where", guarded(whereabouts)),
         Route("/dead/confirm", guarded(confirm, write=True), methods=["POST"]),
         Route("/dead/act", guarded(act, write=True), methods=["POST"]),
+        Route("/dead/{dead_id}", guarded(dead_row)),
+        Route("/where", guarded(whereabouts)),
         Route("/actions", guarded(action_list)),
         Route("/actions/{action_id}", guarded(action_page)),
         Route("/keys", guarded(keys)),

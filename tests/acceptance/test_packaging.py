@@ -38,9 +38,10 @@ def test_the_wheel_carries_migrations_queries_and_type_hints(wheel: Path) -> Non
     names = set(zipfile.ZipFile(wheel).namelist())
     migrations = sorted(p.name for p in (ROOT / "sql").glob("*.sql"))
     assert {f"relay/migrations/{m}" for m in migrations} <= names
-    roles = ("relay", "producer", "migrate", "admin", "pipeline", "locks")
+    roles = ("relay", "producer", "migrate", "admin", "pipeline", "locks", "console")
     queries = {f"relay/postgres/queries/{n}.sql" for n in roles}
     shipped = {"relay/postgres/roles.sql", "relay/py.typed", "relay/console/settings.json"}
+    shipped |= {"relay/web/templates/base.html", "relay/web/static/htmx.min.js"}
     assert queries | shipped <= names
     assert not any(n.startswith("tests/") for n in names)
     (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
@@ -49,7 +50,7 @@ def test_the_wheel_carries_migrations_queries_and_type_hints(wheel: Path) -> Non
         for line in zipfile.ZipFile(wheel).read(metadata).decode().splitlines()
         if line.startswith("Provides-Extra:")
     }
-    assert {"sqlalchemy", "otel", "spark"} <= extras
+    assert {"sqlalchemy", "otel", "spark", "web"} <= extras
     assert "dev" not in extras  # the project's tools are a dependency group, not a user's extra
     fields = zipfile.ZipFile(wheel).read(metadata).decode().splitlines()
     assert f"Version: {relay.__version__}" in fields  # one source: relay/__init__.py
@@ -86,7 +87,7 @@ def outbox_relay(command: Path, env: dict[str, str], *args: str) -> Completed:
 def test_the_installed_wheel_leaves_the_extras_out(installed: Path) -> None:
     """So the test below shows the relay migrating and running without any of them."""
     python = str(installed.parent / "python")
-    for optional in ("opentelemetry", "sqlalchemy", "pyspark"):
+    for optional in ("opentelemetry", "sqlalchemy", "pyspark", "starlette", "uvicorn"):
         probe = subprocess.run(
             [python, "-c", f"import {optional}"], capture_output=True, check=False
         )
@@ -107,3 +108,14 @@ async def test_installed_wheel_migrates_and_relays(
     ran = await asyncio.to_thread(outbox_relay, installed, env, "run", "--until-empty")
     assert ran.returncode == 0, ran.stderr
     assert [m.body for m in await broker.collect(1)] == [b"from the wheel"]
+
+
+def test_the_console_without_its_extra_says_how_to_get_it(
+    installed: Path, database_url: str
+) -> None:
+    env = clean_env(OUTBOX_DATABASE_URL=database_url)
+    env.pop("PYTHONPATH", None)
+    result = outbox_relay(installed, env, "console")
+    assert result.returncode == 2, result.stderr
+    assert "pip install 'outbox-relay[web]'" in result.stderr
+    assert "Traceback" not in result.stderr

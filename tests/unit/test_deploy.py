@@ -542,3 +542,36 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert "deploy/dev test     #" in readme
     assert ci.strip().splitlines()[-1] == "exec deploy/dev test"
+
+
+CONSOLE = DEPLOY / "kubernetes" / "console.yaml"
+
+
+def test_the_console_manifest_is_valid_private_and_asks_for_a_login() -> None:
+    docs = yaml_docs(CONSOLE)
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.30.0", strict=True)
+    kinds = {doc["kind"]: doc for doc in docs}
+    assert set(kinds) == {"Deployment", "Service"}  # no Secret in a file re-applied on upgrades
+    assert kinds["Service"]["spec"]["type"] == "ClusterIP"  # never exposed by itself
+    pod = kinds["Deployment"]["spec"]["template"]["spec"]
+    relay_pod = next(p for k, p in pods() if k == "Deployment")
+    assert pod["securityContext"] == relay_pod["securityContext"]
+    assert pod["automountServiceAccountToken"] is False
+    (container,) = pod["containers"]
+    assert container["securityContext"] == relay_pod["containers"][0]["securityContext"]
+    args = container["args"]
+    assert args[:3] == ["console", "--host", "0.0.0.0"]
+    users = args[args.index("--users-file") + 1]
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert users.rpartition("/")[0] in mounts
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["path"] == "/healthz"  # answers without a login
+    secrets = {d["metadata"]["name"] for d in yaml_docs(SECRETS) if d["kind"] == "Secret"}
+    named = {v["secret"]["secretName"] for v in pod["volumes"]}
+    assert "outbox-relay-console" in secrets
+    assert named - secrets == {"outbox-relay-console-users"}  # made from a users file (header)
+    for volume in pod["volumes"]:
+        assert volume["secret"]["defaultMode"] & 0o007 == 0
+    dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text(encoding="utf-8")
+    assert '[web]"' in dockerfile  # the image can run the console

@@ -1,0 +1,194 @@
+"""Console benchmark: the web console's first page of each filter at 1,000,000 dead rows, and a
+bulk replay of 100,000 (not part of the test suite).
+
+    .venv/bin/python tests/benchmarks/console.py [--dead 1000000] [--replay 100000] [--tries 5]
+
+It creates a scratch database, migrates it, and fills `dead` with `--dead` rows spread over 30
+days: seven reasons (two common, five rare), 20 exchanges, routing keys `<noun>.<verb>.<n>`,
+ordering keys on a third of them, JSON bodies and headers. Then, for each filter the console
+offers, alone, combined, and matching nothing, it asks the console (the Starlette application,
+in-process: the server's own time, templates included) for the first page `--tries` times and
+prints the median and the slowest (target: each ≤ 300 ms). Last, it replays `--replay` rows that
+one filter matches through the console's bulk action and prints rows/s (target ≥ 1,000) and
+the longest batch (each its own transaction). Services: OUTBOX_TEST_DATABASE_URL (default: the
+local one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from uuid import UUID
+
+import psycopg
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from starlette.testclient import TestClient
+
+from relay.core.filters import DeadFilter
+from relay.postgres import actions
+from relay.web import app
+from tests.support import services
+
+TARGET_MS = 300.0
+
+
+def fill(url: str, rows: int, replayable: int) -> None:
+    """`rows` dead rows; the first `replayable` of them on exchange `replay-me`."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        step = 200_000
+        for start in range(0, rows, step):
+            conn.execute(
+                """
+                INSERT INTO outbox.dead (message_id, exchange, routing_key, body, headers,
+                    properties, ordering_key, seq, attempts, reason, detail, created_at,
+                    failed_at)
+                SELECT gen_random_uuid(),
+                       CASE WHEN n <= %(replayable)s THEN 'replay-me'
+                            ELSE 'exchange-' || (n %% 20) END,
+                       (ARRAY['order', 'invoice', 'payment', 'user'])[1 + n %% 4] || '.'
+                           || (ARRAY['created', 'paid', 'failed'])[1 + n %% 3] || '.' || (n %% 97),
+                       convert_to(json_build_object('id', n, 'note', 'customer ' || (n %% 5000),
+                                                    'pad', repeat('x', 120))::text, 'UTF8'),
+                       json_build_object('tenant', 't-' || (n %% 50))::jsonb,
+                       '{}',
+                       CASE WHEN n %% 3 = 0 THEN 'customer-' || (n %% 10000) END,
+                       CASE WHEN n %% 3 = 0 THEN n END,
+                       3,
+                       CASE WHEN n %% 100 < 60 THEN 'unroutable'
+                            WHEN n %% 100 < 95 THEN 'max_attempts'
+                            ELSE (ARRAY['no_exchange', 'access_refused', 'too_large',
+                                        'rejected', 'invalid'])[1 + n %% 5] END,
+                       'benchmark',
+                       now() - interval '30 days',
+                       now() - (n::float8 / %(rows)s) * interval '30 days'
+                FROM generate_series(%(start)s + 1, %(end)s) AS n
+                """,
+                {
+                    "start": start,
+                    "end": min(start + step, rows),
+                    "rows": rows,
+                    "replayable": replayable,
+                },
+            )
+        conn.execute("VACUUM ANALYZE outbox.dead")
+
+
+def filters(some_id: UUID) -> list[tuple[str, dict[str, str]]]:
+    return [
+        ("no filter", {}),
+        ("reason, common", {"reason": "unroutable"}),
+        ("reason, rare", {"reason": "invalid"}),
+        ("exchange", {"exchange": "exchange-7"}),
+        ("routing key, prefix glob", {"routing_key": "payment.failed.*"}),
+        ("routing key, inner glob", {"routing_key": "*.paid.4?"}),
+        ("ordering key, exact", {"key": "customer-4242"}),
+        ("ordering key, prefix glob", {"key": "customer-42*"}),
+        ("since 1h", {"since": "1h"}),
+        ("until 29d ago", {"until": "29d"}),
+        ("message id start", {"id": str(some_id)[:6]}),
+        ("text search", {"text": "customer 4242"}),
+        (
+            "combined: reason, exchange, key glob, since",
+            {
+                "reason": "max_attempts",
+                "exchange": "exchange-3",
+                "routing_key": "order.*",
+                "since": "20d",
+            },
+        ),
+        ("matches nothing: exchange", {"exchange": "nope"}),
+        ("matches nothing: rare reason + exchange", {"reason": "invalid", "exchange": "replay-me"}),
+        ("matches nothing: routing key glob", {"routing_key": "nope.*"}),
+        ("matches nothing: inner glob", {"routing_key": "*.nope"}),
+        ("matches nothing: key glob", {"key": "nobody-*"}),
+        ("matches nothing: id start", {"id": "ffffffff0"}),
+        ("matches nothing: text", {"text": "no such words anywhere"}),
+        ("matches nothing: time", {"since": "2000-01-01", "until": "2000-01-02"}),
+    ]
+
+
+def pages(url: str, tries: int) -> list[tuple[str, float, float]]:
+    with psycopg.connect(url) as conn:
+        (some_id,) = conn.execute("SELECT message_id FROM outbox.dead LIMIT 1").fetchone() or ()
+    results = []
+    with TestClient(app.create_app(app.Config(url))) as client:
+        for label, params in filters(some_id):
+            times = []
+            for _ in range(tries):
+                began = time.perf_counter()
+                response = client.get("/dead", params=params)
+                times.append((time.perf_counter() - began) * 1000)
+                assert response.status_code == 200, (label, response.text[:300])
+            results.append((label, statistics.median(times), max(times)))
+            verdict = "ok" if max(times) <= TARGET_MS else "OVER"
+            print(
+                f"{label:<45} median {statistics.median(times):7.1f} ms  "
+                f"slowest {max(times):7.1f} ms  {verdict}",
+                flush=True,
+            )
+    return results
+
+
+def replay(url: str) -> None:
+    runner = actions.Actions(url)
+    where = DeadFilter(exchange="replay-me")
+    batches: list[float] = []
+    last = [time.perf_counter()]
+
+    def beat() -> None:
+        now = time.perf_counter()
+        batches.append(now - last[0])
+        last[0] = now
+
+    began = time.perf_counter()
+    started = runner.start("replay", "benchmark", where)
+    assert isinstance(started, actions.Started)
+    # The batches' lengths, from the record's beats.
+    with psycopg.connect(url, autocommit=True) as conn:
+        done = 0
+        while True:
+            row = conn.execute(
+                "SELECT done, state FROM outbox.console_actions WHERE id = %s",
+                (started.action.id,),
+            ).fetchone()
+            assert row is not None
+            if row[0] != done:
+                done = row[0]
+                beat()
+            if row[1] != "running":
+                break
+            time.sleep(0.01)
+    runner.join()
+    seconds = time.perf_counter() - began
+    final = runner.get(started.action.id)
+    assert final is not None
+    print(
+        f"replay: {final.done:,} rows in {seconds:.1f} s = {final.done / seconds:,.0f} rows/s "
+        f"(target >= 1,000), {final.state}; longest gap between batches "
+        f"{max(batches) * 1000:.0f} ms"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dead", type=int, default=1_000_000)
+    parser.add_argument("--replay", type=int, default=100_000)
+    parser.add_argument("--tries", type=int, default=5)
+    args = parser.parse_args()
+    with services.discover() as svc, svc.scratch_database("outbox_bench_console") as url:
+        began = time.perf_counter()
+        fill(url, args.dead, args.replay)
+        print(f"filled dead with {args.dead:,} rows in {time.perf_counter() - began:.0f} s")
+        results = pages(url, args.tries)
+        over = [label for label, _, slowest in results if slowest > TARGET_MS]
+        print(f"first pages over {TARGET_MS:.0f} ms: {len(over)} of {len(results)} {over}")
+        replay(url)
+
+
+if __name__ == "__main__":
+    main()
