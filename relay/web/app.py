@@ -14,6 +14,7 @@ from uuid import UUID
 import jinja2
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
@@ -26,6 +27,8 @@ from relay.postgres import actions, browse
 from relay.web import forms, security
 
 _HERE = resources.files("relay.web")
+#: The names a browser on this machine reaches an open (loopback, no login) console by.
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -340,4 +343,8 @@ def create_app(config: Config) -> Starlette:
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.console = console
     app.add_middleware(Boundary, access=config.access)
+    if config.access.open:
+        # No login: only a browser on this machine that asked for this machine by name. A page
+        # elsewhere that re-points its own name at 127.0.0.1 (DNS rebinding) gets a 400.
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(LOOPBACK_NAMES))
     return app

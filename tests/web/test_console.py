@@ -25,7 +25,9 @@ from tests.integration.test_dead_letters import insert_dead
 
 
 def client(database_url: str, **config: Any) -> TestClient:
-    return TestClient(app.create_app(app.Config(database_url, **config)))
+    return TestClient(
+        app.create_app(app.Config(database_url, **config)), base_url="http://127.0.0.1:8089"
+    )
 
 
 @pytest.fixture
@@ -365,3 +367,35 @@ def test_the_command_refuses_to_listen_beyond_loopback_without_a_login(tmp_path:
     )
     assert bad.exit_code == 2
     assert "not a user name" in bad.output
+
+
+def test_without_a_login_only_this_machine_by_name_is_answered(database_url: str) -> None:
+    """DNS rebinding: a page on another site that points its own name at 127.0.0.1 reaches an
+    open console by that name, and is refused."""
+    with TestClient(app.create_app(app.Config(database_url)), base_url="http://evil.example") as c:
+        assert c.get("/").status_code == 400
+    with TestClient(app.create_app(app.Config(database_url)), base_url="http://localhost") as c:
+        assert c.get("/").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "form", "says"),
+    [
+        ("/dead/confirm", {"kind": "delete-everything", "scope": "all"}, "replay or purge"),
+        ("/dead/act", {"kind": "replay", "scope": "all", "since": "later"}, "not a time"),
+        ("/dead/act", {"kind": "replay", "scope": "selected"}, "select at least one row"),
+        ("/dead/act", {"kind": "replay", "scope": "all", "ids": "nope"}, "not a message id"),
+        ("/dead/confirm", {"kind": "replay", "scope": "all", "text": "x"}, "act on the rows"),
+        ("/keys/release", {"key": "k1", "mode": "maybe"}, "replay or skip"),
+        ("/keys/release", {"mode": "skip"}, "name a key"),
+    ],
+)
+def test_bad_input_in_a_write_is_a_400_and_changes_nothing(
+    web: TestClient, database_url: str, path: str, form: dict[str, str], says: str
+) -> None:
+    insert_dead(database_url, [{}])
+    token = csrf(web.get("/dead").text)
+    response = web.post(path, data=form | {"csrf": token})
+    assert response.status_code == 400
+    assert says in response.text
+    assert len(dead_ids(database_url)) == 1
