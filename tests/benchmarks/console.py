@@ -6,15 +6,15 @@ bulk replay of 100,000 (not part of the test suite).
 It creates a scratch database, migrates it, and fills `dead` with `--dead` rows spread over 30
 days: six reasons (two common, four rare; `invalid` none), 20 exchanges, routing keys
 `<noun>.<verb>.<n>`, ordering keys on a third of them, JSON bodies and headers. Then, for each
-filter the console offers, alone, combined, and matching nothing, it asks the console (the Starlette application,
-in-process: the server's own time, templates included) for the first page `--tries` times and
-prints the median and the slowest (target: each ≤ 300 ms). Last, it replays `--replay` rows that
-one filter matches through the console's bulk action and prints rows/s (target ≥ 1,000) and
-the longest batch (each its own transaction). With `--beside N`, it then runs N interleaved
-pairs of a relay (`outbox-relay run`) draining a backlog into RabbitMQ, once alone and once
-while the same replay runs beside it, and prints the relay's rate in each (messages archived a
-second over the same window) and their ratio (target ≥ 0.8). `--index-pairs N` times the pages
-with and without migration 0030's four indexes, interleaved: what they buy. Services:
+filter the console offers, alone, combined, and matching nothing, it asks the console (the
+Starlette application, in-process: the server's own time, templates included) for the first page
+`--tries` times and prints the median and the slowest (target: each ≤ 300 ms). Last, it replays
+`--replay` rows that one filter matches through the console's bulk action and prints rows/s
+(target ≥ 1,000) and the longest batch (each its own transaction). With `--beside N`, it then runs
+N interleaved pairs of a relay (`outbox-relay run`) draining a backlog into RabbitMQ, once alone
+and once while the same replay runs beside it, and prints the relay's rate in each (messages
+archived a second over the same window) and their ratio (target ≥ 0.8). `--index-pairs N` times
+the pages with and without migration 0030's four indexes, interleaved: what they buy. Services:
 OUTBOX_TEST_DATABASE_URL / OUTBOX_TEST_AMQP_URL (default: the local ones).
 """
 
