@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import threading
+import zlib
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Literal
@@ -27,9 +28,14 @@ from relay.core.filters import DeadFilter
 from relay.postgres import admin, pg, sql
 
 Kind = Literal["replay", "purge"]
-#: An action whose console has not written for this long is taken for dead (it writes after
-#: every batch, and a batch is short): the next start of its selection marks it interrupted.
+#: An action is taken for dead when no session holds its advisory lock (its runner's session
+#: takes it as it records the action) and it has not moved for this long: the next start of its
+#: selection marks it interrupted. Behind a transaction pooler there is no session lock, and
+#: this alone decides. An action's statements wait for a lock at most LOCK_WAIT.
 STALE_AFTER = 60.0
+LOCK_WAIT = "10s"
+#: Counts the rows a filter matches up to a dead id (browse.Browser.count).
+Counter = Callable[[DeadFilter, int], int]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -63,8 +69,15 @@ class Already:
 
 
 def selection(kind: Kind, where: DeadFilter) -> str:
-    """What makes two actions the same: their kind and their filter, canonically."""
-    text = json.dumps({"kind": kind, "filter": describe(where)}, sort_keys=True)
+    """What makes two actions the same: their kind and their filter, canonically, with its times
+    to the minute (two operators who both asked for "since 2h" a few seconds apart asked for
+    the same thing)."""
+    described = describe(where)
+    for name in ("since", "until"):
+        when = getattr(where, name)
+        if when is not None:
+            described[name] = when.replace(second=0, microsecond=0).isoformat()
+    text = json.dumps({"kind": kind, "filter": described}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -86,11 +99,16 @@ def describe(where: DeadFilter) -> dict[str, Any]:
 class Actions:
     """Starts and runs bulk actions against one schema, each on a connection of its own."""
 
-    def __init__(self, conninfo: str, schema: str = "outbox", *, pooled: bool = False) -> None:
+    def __init__(
+        self, conninfo: str, count: Counter, schema: str = "outbox", *, pooled: bool = False
+    ) -> None:
         self._conninfo = conninfo
+        self._count = count
         self._schema = schema
         self._pooled = pooled
         self._q = sql.load(schema)
+        #: The advisory lock class of this schema's actions (the second key is the action's id).
+        self._lock_class = zlib.crc32(f"outbox-relay console {schema}".encode()) & 0x7FFFFFFF
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -99,21 +117,28 @@ class Actions:
         kind: Kind,
         who: str,
         where: DeadFilter,
+        upto: int,
         *,
         batch: int = 500,
         on_end: Callable[[Action], object] | None = None,
     ) -> Started | Already:
-        """Record the action and start it in the background; or say who is already at it."""
+        """Record the action and start it in the background, on the dead rows up to id `upto`
+        (what its confirm page counted); or say who is already at it, or who took the rows."""
         chosen = selection(kind, where)
-        with admin.Admin.connect(self._conninfo, self._schema, pooled=self._pooled) as ops:
-            matched = ops.dead_count(where)
-            conn = ops._conn
+        lock = {"lock_class": self._lock_class}
+        ops = admin.Admin(self._connect(), self._schema, self._conninfo, pooled=self._pooled)
+        conn = ops._conn
+        try:
             with pg.translate_errors(self._schema):
                 conn.execute(
-                    self._q.action_interrupt_stale, {"selection": chosen, "stale": STALE_AFTER}
+                    self._q.action_interrupt_stale,
+                    {"selection": chosen, "stale": STALE_AFTER} | lock,
                 )
+                matched = self._count(where, upto)
                 if matched == 0:
-                    return Already(self._latest(conn, chosen), running=False)
+                    latest = self._latest(conn, chosen)
+                    conn.close()
+                    return Already(latest, running=False)
                 try:
                     row = conn.execute(
                         self._q.action_start,
@@ -122,24 +147,44 @@ class Actions:
                             "who": who,
                             "filter": Jsonb(describe(where)),
                             "selection": chosen,
+                            "upto": upto,
                             "matched": matched,
-                        },
+                            "lock": not self._pooled,
+                        }
+                        | lock,
                     ).fetchone()
                 except psycopg.errors.UniqueViolation:
-                    return Already(self._latest(conn, chosen), running=True)
-            assert row is not None
-            action_id, upto = int(row[0]), int(row[1])
-            action = self._get(conn, action_id)
-        assert action is not None  # written just now, in this session
+                    latest = self._latest(conn, chosen)
+                    conn.close()
+                    return Already(latest, running=True)
+                assert row is not None
+                action = self._get(conn, int(row[0]))
+                assert action is not None  # written just now, in this session
+        except BaseException:
+            conn.close()
+            raise
         thread = threading.Thread(
             target=self._run,
-            args=(action_id, kind, where, upto, batch, on_end),
-            name=f"console action {action_id}",
+            args=(ops, action.id, kind, where, upto, batch, on_end),
+            name=f"console action {action.id}",
             daemon=True,
         )
         self._threads.append(thread)
         thread.start()
         return Started(action)
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        """The session an action is recorded and run in (its advisory lock lives with it)."""
+        with pg.translate_errors(self._schema):
+            conn = psycopg.connect(
+                self._conninfo,
+                autocommit=True,
+                application_name=f"{pg.APPLICATION_NAME} console",
+                **pg.options(self._pooled),
+            )
+            if not self._pooled:
+                conn.execute(self._q.action_lock_wait, {"wait": LOCK_WAIT})
+        return conn
 
     def get(self, action_id: int) -> Action | None:
         with pg.session(self._conninfo, self._schema, "console", pooled=self._pooled) as conn:
@@ -174,6 +219,7 @@ class Actions:
 
     def _run(
         self,
+        ops: admin.Admin,
         action_id: int,
         kind: Kind,
         where: DeadFilter,
@@ -182,23 +228,32 @@ class Actions:
         on_end: Callable[[Action], object] | None,
     ) -> None:
         state, detail = "finished", ""
+        conn = ops._conn
         try:
-            with admin.Admin.connect(self._conninfo, self._schema, pooled=self._pooled) as ops:
-                conn = ops._conn
+            with conn:
                 beat = self._q.action_progress
 
                 def progress(done: int) -> None:
-                    conn.execute(beat, {"id": action_id, "done": done})
+                    moved = conn.execute(beat, {"id": action_id, "done": done}).rowcount
+                    if moved == 0:
+                        raise _Stopped("another start took it over as stale")
                     if self._stop.is_set():
-                        raise _Stopped
+                        raise _Stopped("the console stopped; start it again to go on")
 
                 try:
                     if kind == "replay":
                         ops.dead_replay(where, batch=batch, progress=progress, upto=upto)
                     else:
                         ops.dead_purge(where, batch=batch, progress=progress, upto=upto)
-                except _Stopped:
-                    state, detail = "interrupted", "the console stopped; start it again to go on"
+                    left = self._count(where, upto)
+                    if left:
+                        detail = (
+                            f"{left} still match: their message id is already waiting"
+                            if kind == "replay"
+                            else f"{left} still match: another action held them"
+                        )
+                except _Stopped as stopped:
+                    state, detail = "interrupted", str(stopped)
                 self._end(conn, action_id, state, detail, on_end)
         except (errors.RelayError, psycopg.Error) as exc:
             self._fail(action_id, pg.first_line(exc), on_end)

@@ -1,6 +1,6 @@
 """What the web console reads: the overview, pages of dead letters (keyset, newest first), one
-dead letter, gated keys, and what its login may do. Each read runs on a pooled connection with
-a statement timeout (queries/console.sql's console_session); nothing here writes."""
+dead letter, gated keys, and what its login may do. Each read runs in a transaction of its own
+on a pooled connection, with a statement timeout (queries/console.sql's console_read_bound)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ import psycopg_pool
 from psycopg import sql as pgsql
 from psycopg.rows import class_row
 
-from relay.core import errors, filters
-from relay.core.filters import DeadSearch
+from relay.core import errors, filters, model
+from relay.core.filters import DeadFilter, DeadSearch
 from relay.postgres import admin, pg, sql
 
-#: Rows a page may show, at most.
+#: Rows a page may show, at most; the overview counts each reason's dead letters up to this.
 PAGE_MAX = 500
+COUNT_CAP = 100_000
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -71,12 +72,23 @@ class Horizon:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class DeadCount:
+    reason: str
+    count: int  # up to COUNT_CAP
+    last: datetime | None
+
+    @property
+    def capped(self) -> bool:
+        return self.count >= COUNT_CAP
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Overview:
     backlog: list[Backlog]
     rates: list[tuple[datetime, int, int]]  # minute, published, dead-lettered
     relays: list[Relay]
     horizon: Horizon
-    dead: list[admin.DeadGroup]
+    dead: list[DeadCount]  # reasons with dead letters
     blocked_keys: int
 
 
@@ -102,6 +114,8 @@ class DeadLine:
 class Page:
     rows: list[DeadLine]
     next: tuple[datetime, int] | None  # where the next page starts (None: this is the last)
+    #: A text search that read its whole window without filling the page: where to search on.
+    search_on: tuple[datetime, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -132,12 +146,8 @@ class Browser:
                 "application_name": f"{pg.APPLICATION_NAME} console",
                 "prepare_threshold": None,
             },
-            configure=self._configure,
             timeout=5,
         )
-
-    def _configure(self, conn: psycopg.Connection[Any]) -> None:
-        conn.execute(self._q.console_session)
 
     def open(self) -> None:
         with pg.translate_errors(self._schema):
@@ -148,13 +158,28 @@ class Browser:
 
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
-        with pg.translate_errors(self._schema), self._pool.connection() as conn:
-            try:
+        """A connection in a transaction of its own, its statements bounded in time. What the
+        input can cause becomes InvalidArgument: a value PostgreSQL cannot take (a NUL byte), or
+        a filter too slow for the bound."""
+        too_long = "the database took too long (over 5 s) for this; narrow the filter"
+        try:
+            with (
+                pg.translate_errors(self._schema),
+                self._pool.connection() as conn,
+                conn.transaction(),
+            ):
+                conn.execute(self._q.console_read_bound)
                 yield conn
-            except psycopg.errors.QueryCanceled as exc:
-                raise errors.InvalidArgument(
-                    "the database took too long (over 5 s) for this; narrow the filter"
-                ) from exc
+        except psycopg.errors.QueryCanceled as exc:
+            raise errors.InvalidArgument(too_long) from exc
+        except psycopg.DataError as exc:
+            raise errors.InvalidArgument(
+                f"PostgreSQL cannot take that: {pg.first_line(exc)}"
+            ) from exc
+        except errors.DatabaseUnavailable as exc:
+            if isinstance(exc.__cause__, psycopg.errors.QueryCanceled):  # through Admin
+                raise errors.InvalidArgument(too_long) from exc
+            raise
 
     @contextmanager
     def operator(self) -> Iterator[admin.Admin]:
@@ -177,8 +202,13 @@ class Browser:
         rates = [(m, int(p), int(d)) for m, p, d in self._all(self._q.console_rates)]
         relays = [Relay(*row) for row in self._all(self._q.console_relays)]
         (horizon,) = self._all(self._q.console_horizon, {"schema": self._schema})
+        reasons = {"reasons": [r.value for r in model.DeadReason], "cap": COUNT_CAP}
+        dead = [
+            DeadCount(str(reason), int(n), last)
+            for reason, n, last in self._all(self._q.console_dead_by_reason, reasons)
+            if n
+        ]
         with self.operator() as ops:
-            dead = ops.dead_stats()
             blocked = len(ops.blocked_keys())
         return Overview(backlog, rates, relays, Horizon(*horizon), dead, blocked)
 
@@ -192,16 +222,66 @@ class Browser:
         with self.connection() as conn:
             cur = conn.cursor(row_factory=class_row(DeadLine))
             rows = cur.execute(query, params).fetchall()
-        more = len(rows) > limit
-        rows = rows[:limit]
-        return Page(rows, (rows[-1].failed_at, rows[-1].id) if more else None)
+            more = len(rows) > limit
+            rows = rows[:limit]
+            search_on = None
+            if search.text is not None and not more:
+                search_on = self._window_end(conn, search, before)
+        return Page(rows, (rows[-1].failed_at, rows[-1].id) if more else None, search_on)
+
+    def _window_end(
+        self,
+        conn: psycopg.Connection[Any],
+        search: DeadSearch,
+        before: tuple[datetime, int] | None,
+    ) -> tuple[datetime, int] | None:
+        """The last row a text search's window read, if the window was full: older rows are
+        still to be searched."""
+        parts, params = self._conditions(search, before)
+        params["scan"] = filters.SEARCH_SCAN
+        texts = [self._q.dead_window_head, *parts, self._q.dead_page_window_end]
+        row = conn.execute(pgsql.SQL("\n").join(pgsql.SQL(t) for t in texts), params).fetchone()
+        return None if row is None else (row[0], int(row[1]))
+
+    def last_dead(self) -> int:
+        """The newest dead row's id: a bulk action acts on rows up to it (what was counted)."""
+        ((last,),) = self._all(self._q.console_last_dead)
+        return int(last)
+
+    def count(self, where: DeadFilter, upto: int) -> int:
+        """How many dead letters up to id `upto` match (what a bulk action would act on)."""
+        parts, params = self._conditions(DeadSearch(where), None)
+        params["upto"] = upto
+        texts = [self._q.dead_count_head, *parts, self._q.dead_page_upto]
+        ((n,),) = self._all(pgsql.SQL("\n").join(pgsql.SQL(t) for t in texts), params)
+        return int(n)
 
     def _page_query(
         self, search: DeadSearch, before: tuple[datetime, int] | None, limit: int
     ) -> tuple[pgsql.Composed, dict[str, Any]]:
         q = self._q
-        where = search.where
-        params: dict[str, Any] = where.params() | {"limit": limit}
+        parts, params = self._conditions(search, before)
+        params["limit"] = limit
+        if search.text is None:
+            texts = [q.dead_page_head, *parts, q.dead_page_tail]
+        else:
+            params["scan"] = filters.SEARCH_SCAN
+            params["text_like"] = "%" + _like_literal(search.text) + "%"
+            params["text_bytes"] = search.text.encode()
+            texts = [
+                q.dead_page_searched_head,
+                *parts,
+                q.dead_page_searched_tail,
+                q.dead_page_tail,
+            ]
+        return pgsql.SQL("\n").join(pgsql.SQL(t) for t in texts), params
+
+    def _conditions(
+        self, search: DeadSearch, before: tuple[datetime, int] | None
+    ) -> tuple[list[LiteralString], dict[str, Any]]:
+        """The fragments of the filters given, and their parameters."""
+        q = self._q
+        params: dict[str, Any] = search.where.params()
         parts: list[LiteralString] = []
         for name, fragment in (
             ("reasons", q.dead_page_reasons),
@@ -220,19 +300,7 @@ class Browser:
         if before is not None:
             params["before_at"], params["before_id"] = before
             parts.append(q.dead_page_before)
-        if search.text is None:
-            texts = [q.dead_page_head, *parts, q.dead_page_tail]
-        else:
-            params["scan"] = filters.SEARCH_SCAN
-            params["text_like"] = "%" + _like_literal(search.text) + "%"
-            params["text_bytes"] = search.text.encode()
-            texts = [
-                q.dead_page_searched_head,
-                *parts,
-                q.dead_page_searched_tail,
-                q.dead_page_tail,
-            ]
-        return pgsql.SQL("\n").join(pgsql.SQL(t) for t in texts), params
+        return parts, params
 
     def dead_row(self, dead_id: int) -> admin.DeadMessage | None:
         with self.connection() as conn:

@@ -63,7 +63,8 @@ GRANT DELETE ON {schema}.dead, {schema}.archive TO {operator};
 GRANT UPDATE (detail) ON {schema}.dead TO {operator};
 GRANT INSERT, UPDATE, DELETE ON {schema}.key_policies TO {operator};
 -- The web console records each bulk action it runs (migration 0030): who, the filter, the outcome.
-GRANT INSERT, UPDATE ON {schema}.console_actions TO {operator};
+GRANT INSERT, UPDATE (done, state, detail, beat_at, finished_at) ON {schema}.console_actions
+TO {operator};
 GRANT EXECUTE ON FUNCTION
     {schema}.dead_matches({schema}.dead, text[], text, text, text, timestamptz, timestamptz,
                           uuid[]),

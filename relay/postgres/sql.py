@@ -79,12 +79,13 @@ class Queries:
     replay_start: LiteralString
     replay_batch: LiteralString
     replay_skip: LiteralString
-    console_session: LiteralString
+    console_read_bound: LiteralString
     console_rights: LiteralString
     console_backlog: LiteralString
     console_rates: LiteralString
     console_relays: LiteralString
     console_horizon: LiteralString
+    console_dead_by_reason: LiteralString
     dead_page_head: LiteralString
     dead_page_searched_head: LiteralString
     dead_page_searched_tail: LiteralString
@@ -97,12 +98,18 @@ class Queries:
     dead_page_ids: LiteralString
     dead_page_id_range: LiteralString
     dead_page_before: LiteralString
+    dead_page_upto: LiteralString
+    dead_page_window_end: LiteralString
+    dead_count_head: LiteralString
+    dead_window_head: LiteralString
+    console_last_dead: LiteralString
     dead_page_tail: LiteralString
     dead_by_id: LiteralString
     message_whereabouts: LiteralString
     gated_keys: LiteralString
     action_start: LiteralString
     action_interrupt_stale: LiteralString
+    action_lock_wait: LiteralString
     action_progress: LiteralString
     action_end: LiteralString
     action_get: LiteralString

@@ -47,7 +47,9 @@ class Console:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.browser = browse.Browser(config.database_url, config.schema, pooled=config.pooled)
-        self.actions = actions.Actions(config.database_url, config.schema, pooled=config.pooled)
+        self.actions = actions.Actions(
+            config.database_url, self.browser.count, config.schema, pooled=config.pooled
+        )
         self.csrf = security.Csrf()
         self.rights = browse.Rights(False, False, False, False)
 
@@ -155,13 +157,15 @@ async def confirm(request: Request) -> Response:
     form = await request.form()
     kind = _kind(form.get("kind"))
     where = _bulk_filter(form)
-    count = await run_in_threadpool(_count, _console(request), where)
+    browser = _console(request).browser
+    upto = await run_in_threadpool(browser.last_dead)
+    count = await run_in_threadpool(browser.count, where, upto)
     return render(
         request,
         "confirm.html",
         kind=kind,
         count=count,
-        fields=forms.hidden_fields(where),
+        fields=[*forms.hidden_fields(where), ("upto", str(upto))],
         described=list(forms.describe(where)),
     )
 
@@ -170,8 +174,9 @@ async def act(request: Request) -> Response:
     form = await request.form()
     kind = _kind(form.get("kind"))
     where = _bulk_filter(form)
+    upto = forms.position_id(form.get("upto"))
     console = _console(request)
-    outcome = await run_in_threadpool(console.actions.start, kind, request.state.who, where)
+    outcome = await run_in_threadpool(console.actions.start, kind, request.state.who, where, upto)
     if isinstance(outcome, actions.Started):
         return RedirectResponse(f"/actions/{outcome.action.id}", status_code=303)
     return render(request, "already.html", 409, outcome=outcome, kind=kind)
@@ -203,7 +208,7 @@ async def keys(request: Request) -> Response:
 
 async def key_release(request: Request) -> Response:
     form = await request.form()
-    key = str(form.get("key", ""))
+    key = forms.check_text("key", str(form.get("key", "")))
     mode = form.get("mode")
     if not key or mode not in ("replay", "skip"):
         raise errors.InvalidArgument("name a key, and replay or skip")
@@ -238,11 +243,6 @@ def _bulk_filter(form: Any) -> DeadFilter:
     return search.where
 
 
-def _count(console: Console, where: DeadFilter) -> int:
-    with console.browser.operator() as ops:
-        return ops.dead_count(where)
-
-
 # The boundary: who asks, may they write, and every error as a page -----------------------------
 
 
@@ -256,9 +256,9 @@ def guarded(handler: Handler, *, write: bool = False) -> Handler:
             return await handler(request)
         except errors.InvalidArgument as exc:
             return problem(request, 400, str(exc))
-        except errors.SchemaMissing as exc:
-            return problem(request, 503, str(exc))
-        except errors.DatabaseUnavailable as exc:
+        except errors.LockTimeout:
+            return problem(request, 503, "the database is busy with these rows: try again")
+        except errors.RelayError as exc:  # unavailable, a schema missing, refused
             return problem(request, 503, str(exc))
 
     return endpoint

@@ -46,9 +46,28 @@ def _values(params: Any, name: str) -> list[str]:
     got = params.getlist(name) if hasattr(params, "getlist") else [params.get(name, "")]
     values = [str(v).strip() for v in got if str(v).strip()]
     for value in values:
-        if len(value) > MAX_LENGTH:
-            raise errors.InvalidArgument(f"{name} is longer than {MAX_LENGTH} characters")
+        check_text(name, value)
     return values
+
+
+def check_text(name: str, value: str) -> str:
+    """A field's text: not too long, and no control characters (PostgreSQL refuses NUL)."""
+    if len(value) > MAX_LENGTH:
+        raise errors.InvalidArgument(f"{name} is longer than {MAX_LENGTH} characters")
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise errors.InvalidArgument(f"{name} has a control character")
+    return value
+
+
+def position_id(value: Any) -> int:
+    """The dead id a confirm page counted up to (its hidden `upto`)."""
+    try:
+        upto = int(str(value))
+    except ValueError:
+        raise errors.InvalidArgument("this form is incomplete: confirm it again") from None
+    if not 0 <= upto < 2**63:
+        raise errors.InvalidArgument("this form is incomplete: confirm it again")
+    return upto
 
 
 def _one(params: Any, name: str) -> str | None:
@@ -125,7 +144,7 @@ def body_view(body: bytes, properties: Mapping[str, Any]) -> tuple[str, str]:
         return "binary", _hexdump(body[:4096])
     try:
         return "json", json.dumps(json.loads(text), indent=2, ensure_ascii=False)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested too deep to pretty-print
         return "text", text
 
 

@@ -11,8 +11,11 @@ import getpass
 import hashlib
 import hmac
 import ipaddress
+import os
 import re
 import secrets
+import threading
+import time
 from pathlib import Path
 
 from relay.core import errors
@@ -102,13 +105,37 @@ def add_user(path: Path, name: str, password: str) -> bool:
     return new
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+#: A login checked once is trusted this long (each check is a scrypt: ~50 ms, 16 MiB), and at
+#: most this many checks run at once (so that a flood of wrong passwords cannot exhaust memory).
+REMEMBER_SECONDS = 300.0
+CHECKS_AT_ONCE = 2
+#: Checked for a name not in the file, so that a wrong name takes as long as a wrong password.
+_NOBODY = hash_password("not a password of anyone")
+
+
+def _os_user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a container's arbitrary user)
+        return "uid-" + str(os.getuid())
+
+
+@dataclasses.dataclass(frozen=True)
 class Access:
     """How the console knows who is asking: nobody is asked on loopback without a users file
     or a trusted header (then `who` is the operating-system user that started it)."""
 
     users: dict[str, str] | None = None
     trusted_header: str | None = None
+    local_user: str = dataclasses.field(default_factory=_os_user)
+    _remembered: dict[bytes, tuple[str, float]] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False
+    )
+    _checks: threading.BoundedSemaphore = dataclasses.field(
+        default_factory=lambda: threading.BoundedSemaphore(CHECKS_AT_ONCE),
+        compare=False,
+        repr=False,
+    )
 
     @property
     def open(self) -> bool:
@@ -121,12 +148,22 @@ class Access:
                 return header_value
             return None
         if self.users is None:
-            return f"{getpass.getuser()}@localhost"
+            return f"{self.local_user}@localhost"
         name, password = _basic(authorization)
-        stored = self.users.get(name or "")
-        if name is None or password is None or stored is None:
+        if name is None or password is None:
             return None
-        return name if check_password(stored, password) else None
+        key = hashlib.sha256(f"{name}\0{password}".encode()).digest()
+        known = self._remembered.get(key)
+        if known is not None and known[1] > time.monotonic():
+            return known[0]
+        with self._checks:
+            good = check_password(self.users.get(name, _NOBODY), password) and name in self.users
+        if not good:
+            return None
+        if len(self._remembered) > 1000:
+            self._remembered.clear()
+        self._remembered[key] = (name, time.monotonic() + REMEMBER_SECONDS)
+        return name
 
 
 def _basic(authorization: str | None) -> tuple[str | None, str | None]:
@@ -162,7 +199,9 @@ class Csrf:
         return hmac.new(self._secret, who.encode(), hashlib.sha256).hexdigest()
 
     def valid(self, who: str, token: str | None) -> bool:
-        return token is not None and hmac.compare_digest(self.token(who), token)
+        if token is None or not token.isascii():
+            return False
+        return hmac.compare_digest(self.token(who).encode(), token.encode())
 
 
 #: Every response's security headers: no inline script or style, no framing, no sniffing.

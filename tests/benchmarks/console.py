@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from starlette.testclient import TestClient
 
 from relay.core.filters import DeadFilter
-from relay.postgres import actions
+from relay.postgres import actions, browse
 from relay.web import app
 from tests.benchmarks.drain import declare, delete
 from tests.support import services
@@ -180,11 +180,38 @@ def pages(url: str, tries: int) -> list[tuple[str, float, float]]:
                 f"slowest {max(times):7.1f} ms  {verdict}",
                 flush=True,
             )
+        page = client.get("/dead").text
+        token = page.split('name="csrf" value="', 1)[1].split('"', 1)[0]
+        others: list[tuple[str, dict[str, str] | None]] = [
+            ("overview", None),
+            ("confirm count: everything", {}),
+            ("confirm count: reason, common", {"reason": "unroutable"}),
+            ("confirm count: exchange", {"exchange": "exchange-7"}),
+            ("confirm count: routing key glob", {"routing_key": "payment.*"}),
+        ]
+        for label, asked in others:
+            times = []
+            for _ in range(tries):
+                began = time.perf_counter()
+                if asked is None:
+                    response = client.get("/")
+                else:
+                    form = {"csrf": token, "kind": "replay", "scope": "all"} | asked
+                    response = client.post("/dead/confirm", data=form)
+                times.append((time.perf_counter() - began) * 1000)
+                assert response.status_code == 200, (label, response.text[:300])
+            print(
+                f"{label:<45} median {statistics.median(times):7.1f} ms  "
+                f"slowest {max(times):7.1f} ms  (not a first page)",
+                flush=True,
+            )
     return results
 
 
 def replay(url: str) -> float:
-    runner = actions.Actions(url)
+    browser = browse.Browser(url)
+    browser.open()
+    runner = actions.Actions(url, browser.count)
     where = DeadFilter(exchange="replay-me")
     batches: list[float] = []
     last = [time.perf_counter()]
@@ -195,7 +222,7 @@ def replay(url: str) -> float:
         last[0] = now
 
     began = time.perf_counter()
-    started = runner.start("replay", "benchmark", where)
+    started = runner.start("replay", "benchmark", where, browser.last_dead())
     assert isinstance(started, actions.Started)
     # The batches' lengths, from the record's beats.
     with psycopg.connect(url, autocommit=True) as conn:
@@ -215,6 +242,7 @@ def replay(url: str) -> float:
     runner.join()
     seconds = time.perf_counter() - began
     final = runner.get(started.action.id)
+    browser.close()
     assert final is not None
     print(
         f"replay: {final.done:,} rows in {seconds:.1f} s = {final.done / seconds:,.0f} rows/s "
@@ -263,14 +291,18 @@ def relay_rate(
             raise SystemExit("the relay did not start")
         while archived(url) < 2000:  # draining at its pace
             time.sleep(0.05)
-        runner = actions.Actions(url)
+        browser = browse.Browser(url)
+        browser.open()
+        runner = actions.Actions(url, browser.count)
         start, count = time.perf_counter(), archived(url)
         if beside:
-            started = runner.start("replay", "benchmark", DeadFilter(routing_key="replayed.*"))
+            where = DeadFilter(routing_key="replayed.*")
+            started = runner.start("replay", "benchmark", where, browser.last_dead())
             assert isinstance(started, actions.Started)
         time.sleep(max(0.0, window - (time.perf_counter() - start)))
         rate = (archived(url) - count) / (time.perf_counter() - start)
         runner.join()
+        browser.close()
     finally:
         proc.terminate()
         proc.wait(60)

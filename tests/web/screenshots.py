@@ -15,7 +15,7 @@ import psycopg
 from playwright.async_api import async_playwright
 
 from relay.core.filters import DeadFilter
-from relay.postgres import actions
+from relay.postgres import actions, browse
 from relay.web import app
 from tests.integration.test_dead_letters import insert_dead
 from tests.support import services
@@ -70,9 +70,14 @@ def fill(url: str) -> None:
                 " ordering_key => 'customer-7')",
                 (f'{{"n": {i}}}'.encode(),),
             )
-    runner = actions.Actions(url)
-    runner.start("purge", "alice", DeadFilter(exchange="invoices"))
-    runner.join()
+    browser = browse.Browser(url)
+    browser.open()
+    try:
+        runner = actions.Actions(url, browser.count)
+        runner.start("purge", "alice", DeadFilter(exchange="invoices"), browser.last_dead())
+        runner.join()
+    finally:
+        browser.close()
 
 
 async def shoot(url: str) -> None:

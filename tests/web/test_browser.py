@@ -98,6 +98,8 @@ async def test_a_viewer_sees_no_buttons_and_the_server_refuses_a_forged_post(
     browser: Browser, database_url: str
 ) -> None:
     insert_dead(database_url, [{"ordering_key": "k1", "seq": 1}])
+    with psycopg.connect(database_url) as conn:
+        (dead_row,) = conn.execute("SELECT id FROM outbox.dead").fetchone() or ()
     made = roles.ensure(database_url, "outbox")
     login = f"viewer_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(database_url, autocommit=True) as conn:
@@ -106,8 +108,10 @@ async def test_a_viewer_sees_no_buttons_and_the_server_refuses_a_forged_post(
         viewer_url = database_url.replace("postgres@", f"{login}@", 1)
         with serving(config(viewer_url)) as (base, console):
             page = await browser.new_page()
-            for path in ("/dead", "/keys", "/", "/dead/1"):
-                await page.goto(base + path)
+            for path in ("/dead", "/keys", "/", f"/dead/{dead_row}", "/actions"):
+                response = await page.goto(base + path)
+                assert response is not None
+                assert response.status == 200, path
                 await expect(page.locator("form[method=post]")).to_have_count(0)
                 await expect(page.locator("button:not(#filter button)")).to_have_count(0)
             await page.goto(f"{base}/dead")

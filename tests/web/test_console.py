@@ -19,7 +19,7 @@ from starlette.testclient import TestClient
 
 from relay.cli.commands import main
 from relay.core.filters import DeadFilter
-from relay.postgres import actions
+from relay.postgres import actions, browse
 from relay.web import app, security
 from tests.integration.test_dead_letters import insert_dead
 
@@ -77,7 +77,8 @@ def test_the_overview_shows_backlog_relays_horizon_and_dead_by_reason(
     assert re.search(r"<td>orders</td><td>1</td>", page)
     assert "No relay is connected." in page
     assert 'id="horizon"' in page
-    assert re.search(r"unroutable</a></td><td>x</td><td>2</td>", page)
+    assert re.search(r"unroutable</a></td><td>2</td>", page)
+    assert re.search(r"rejected</a></td><td>2</td>", page)
     live = web.get("/", headers={"HX-Request": "true"}).text
     assert "<html" not in live
     assert "orders" in live
@@ -224,14 +225,17 @@ def test_replay_all_matching_asks_once_moves_each_row_and_is_recorded(
 
 def test_two_replays_of_one_filter_at_once_send_each_row_once(database_url: str) -> None:
     ids = insert_dead(database_url, [{"reason": "unroutable"}] * 3000)
-    runner = actions.Actions(database_url)
+    browser = browse.Browser(database_url)
+    browser.open()
+    runner = actions.Actions(database_url, browser.count)
     where = DeadFilter(reasons=("unroutable",))
+    upto = browser.last_dead()
     outcomes: list[Any] = []
     go = threading.Barrier(2)
 
     def start(who: str) -> None:
         go.wait()
-        outcomes.append(runner.start("replay", who, where, batch=100))
+        outcomes.append(runner.start("replay", who, where, upto, batch=100))
 
     threads = [threading.Thread(target=start, args=(w,)) for w in ("alice", "bob")]
     for t in threads:
@@ -239,6 +243,7 @@ def test_two_replays_of_one_filter_at_once_send_each_row_once(database_url: str)
     for t in threads:
         t.join()
     runner.join(timeout=120)
+    browser.close()
     started = [o for o in outcomes if isinstance(o, actions.Started)]
     told = [o for o in outcomes if isinstance(o, actions.Already)]
     assert len(started) == 1
@@ -399,3 +404,107 @@ def test_bad_input_in_a_write_is_a_400_and_changes_nothing(
     assert response.status_code == 400
     assert says in response.text
     assert len(dead_ids(database_url)) == 1
+
+
+def test_a_nul_byte_a_foreign_token_and_a_body_nested_too_deep_are_not_500s(
+    web: TestClient, database_url: str
+) -> None:
+    (dead_id,) = insert_dead(database_url, [{}])
+    for field in ("exchange", "routing_key", "key", "text", "id"):
+        response = web.get("/dead", params={field: "a\x00b"})
+        assert response.status_code == 400, field
+        assert "control character" in response.text
+    response = web.post("/dead/act", data={"csrf": "é" * 64, "kind": "purge", "scope": "all"})
+    assert response.status_code == 403
+    with psycopg.connect(database_url) as conn:
+        (row,) = conn.execute("SELECT id FROM outbox.dead").fetchone() or ()
+        conn.execute("UPDATE outbox.dead SET body = %s WHERE id = %s", (b"[" * 100_000, row))
+    page = web.get(f"/dead/{row}")
+    assert page.status_code == 200
+    assert 'data-kind="text"' in page.text
+    assert str(dead_id) in page.text
+
+
+def test_an_action_acts_on_what_its_confirm_page_counted(
+    web: TestClient, database_url: str
+) -> None:
+    insert_dead(database_url, [{"exchange": "e"}] * 3)
+    token = csrf(web.get("/dead").text)
+    confirm = web.post(
+        "/dead/confirm", data={"csrf": token, "kind": "purge", "scope": "all", "exchange": "e"}
+    )
+    assert "Purge 3 dead letters?" in confirm.text
+    fields = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)">', confirm.text))
+    (later,) = insert_dead(database_url, [{"exchange": "e"}])  # died after the count was shown
+    done = web.post("/dead/act", data=fields, follow_redirects=False)
+    assert done.status_code == 303
+    action_id = int(done.headers["location"].rsplit("/", 1)[1])
+    assert until_ended(web, action_id) == "finished"
+    assert dead_ids(database_url) == {later}
+    assert web.post("/dead/act", data=fields | {"upto": "x"}).status_code == 400
+
+
+def test_a_slow_action_whose_runner_is_alive_is_never_taken_over(database_url: str) -> None:
+    """The order of events worried about: a runner stuck in a long batch (no beat for over a
+    minute) while a second operator starts the same action."""
+    insert_dead(database_url, [{"exchange": "slow"}] * 10)
+    browser = browse.Browser(database_url)
+    browser.open()
+    runner = actions.Actions(database_url, browser.count)
+    where = DeadFilter(exchange="slow")
+    chosen = actions.selection("replay", where)
+    lock_class = runner._lock_class
+    try:
+        with psycopg.connect(database_url, autocommit=True) as alive:
+            (old,) = (
+                alive.execute(
+                    "INSERT INTO outbox.console_actions (kind, who, filter, selection, upto,"
+                    " matched, beat_at) VALUES ('replay', 'alice', '{}', %s, 0, 10,"
+                    " now() - interval '1 hour') RETURNING id",
+                    (chosen,),
+                ).fetchone()
+                or ()
+            )
+            alive.execute("SELECT pg_advisory_lock(%s, %s)", (lock_class, old))
+            told = runner.start("replay", "bob", where, browser.last_dead())
+            assert isinstance(told, actions.Already)
+            assert told.running
+            assert told.action is not None
+            assert told.action.id == old
+        # Its session is gone: the lock with it. Now it is stale, and a new start goes on.
+        started = runner.start("replay", "bob", where, browser.last_dead())
+        assert isinstance(started, actions.Started)
+        runner.join(timeout=60)
+        interrupted = runner.get(old)
+        assert interrupted is not None
+        assert interrupted.state == "interrupted"
+        assert len(waiting(database_url)) == 10
+    finally:
+        browser.close()
+
+
+def test_a_text_search_past_its_window_offers_to_search_on(
+    web: TestClient, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from relay.core import filters
+
+    monkeypatch.setattr(filters, "SEARCH_SCAN", 5)
+    now = datetime.now(UTC)
+    ids = insert_dead(database_url, [{"failed_at": now - timedelta(minutes=i)} for i in range(12)])
+    page = web.get("/dead", params={"text": str(ids[11])}).text  # the oldest: past the window
+    assert 'id="nothing"' in page
+    seen = []
+    while (more := re.search(r'id="search-on" href="/dead\?([^"]+)"', page)) is not None:
+        page = web.get("/dead?" + html.unescape(more[1])).text
+        seen += re.findall(r"<code>([0-9a-f-]{36})</code>", page)
+    assert seen == [str(ids[11])]
+
+
+def test_the_overview_counts_each_reason_up_to_a_cap(
+    web: TestClient, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(browse, "COUNT_CAP", 3)
+    insert_dead(database_url, [{"reason": "unroutable"}] * 5 + [{"reason": "rejected"}] * 2)
+    page = web.get("/").text
+    assert re.search(r"unroutable</a></td><td>3\+</td>", page)
+    assert re.search(r"rejected</a></td><td>2</td>", page)

@@ -4,9 +4,10 @@
 -- fragments named `dead_page_*`, each a fixed text: only the filters given are added, so that the
 -- planner sees each filter's own index (a `(%(x)s IS NULL OR …)` form hides them).
 
--- name: console_session
--- Every read of the console is bounded in time; the page says so.
-SET statement_timeout = '5s';
+-- name: console_read_bound
+-- Every read of the console runs in a transaction of its own, bounded in time (the page says so);
+-- SET LOCAL, so that behind a transaction pooler the bound goes with the transaction.
+SET LOCAL statement_timeout = '5s';
 
 -- name: console_rights
 -- What this login may do: its buttons follow it, and the server refuses what it may not.
@@ -44,16 +45,19 @@ ORDER BY minute;
 -- name: console_relays
 -- The relays alive: their sessions (named `outbox-relay <name>`) on this database, and the
 -- leases each holds. A relay's pool keeps a session open while it runs, idle or not.
+-- A relay's session name is cut to PostgreSQL's 63 bytes (store.py): its first 50 characters.
+-- Without pg_read_all_stats, another login's sessions show no address or start (NULL: "?").
 WITH sessions AS (
     SELECT substr(application_name, length('outbox-relay ') + 1) AS name,
            count(*) AS sessions, min(backend_start) AS since,
            max(greatest(state_change, query_start)) AS last_seen,
-           string_agg(DISTINCT coalesce(host(client_addr), 'local'), ', ') AS hosts
+           string_agg(DISTINCT host(client_addr), ', ') AS hosts
     FROM pg_stat_activity
     WHERE datname = current_database() AND application_name LIKE 'outbox-relay %%'
       -- the sessions of operators' tools, which name what they do (relay/postgres/pg.py)
       AND application_name NOT IN ('outbox-relay admin', 'outbox-relay console',
-                                   'outbox-relay pipeline', 'outbox-relay replay')
+                                   'outbox-relay pipeline', 'outbox-relay replay',
+                                   'outbox-relay doorbell')
       AND application_name NOT LIKE 'outbox-relay migrate%%'
       AND application_name NOT LIKE 'outbox-relay %% lock'
     GROUP BY 1
@@ -66,7 +70,7 @@ WITH sessions AS (
 )
 SELECT coalesce(s.name, l.name), s.sessions, s.since, s.last_seen, s.hosts,
        coalesce(l.leased, 0), l.lease_end, l.last_claim
-FROM sessions AS s FULL JOIN leases AS l ON l.name = s.name
+FROM sessions AS s FULL JOIN leases AS l ON left(l.name, 50) = s.name
 ORDER BY 1
 LIMIT 100;
 
@@ -84,6 +88,16 @@ LEFT JOIN LATERAL (
     ORDER BY age(backend_xmin) DESC
     LIMIT 1
 ) AS h ON true;
+
+-- name: console_dead_by_reason
+-- Dead letters by reason, each counted up to %(cap)s (an overview refreshes every few seconds:
+-- it must not count a million rows each time), with the latest failure: the reason index.
+SELECT r.reason,
+       (SELECT count(*) FROM (SELECT 1 FROM {schema}.dead AS d WHERE d.reason = r.reason
+                              LIMIT %(cap)s) AS s),
+       (SELECT max(d.failed_at) FROM {schema}.dead AS d WHERE d.reason = r.reason)
+FROM unnest(%(reasons)s::text[]) AS r(reason)
+ORDER BY 2 DESC, 1;
 
 -- name: dead_page_head
 SELECT d.id, d.message_id, d.failed_at, d.reason, d.detail, d.exchange, d.routing_key,
@@ -130,6 +144,29 @@ AND d.message_id BETWEEN %(id_from)s AND %(id_to)s
 -- name: dead_page_before
 AND d.failed_at <= %(before_at)s AND (d.failed_at, d.id) < (%(before_at)s, %(before_id)s)
 
+-- name: dead_page_upto
+AND d.id <= %(upto)s
+
+-- name: dead_page_window_end
+-- Where a text search's window of %(scan)s rows ends: the next search starts after it.
+ORDER BY d.failed_at DESC, d.id DESC
+OFFSET %(scan)s - 1
+LIMIT 1
+
+-- name: dead_count_head
+-- How many dead letters a bulk action would act on: the same fragments as a page.
+SELECT count(*)
+FROM {schema}.dead AS d
+WHERE true
+
+-- name: dead_window_head
+SELECT d.failed_at, d.id
+FROM {schema}.dead AS d
+WHERE true
+
+-- name: console_last_dead
+SELECT coalesce(max(id), 0) FROM {schema}.dead;
+
 -- name: dead_page_tail
 ORDER BY d.failed_at DESC, d.id DESC
 LIMIT %(limit)s
@@ -158,20 +195,36 @@ ORDER BY count(*) DESC, ordering_key
 LIMIT 100;
 
 -- name: action_start
--- Records a bulk action as running; a second one of the same selection is refused by
+-- Records a bulk action as running, acting on dead rows up to %(upto)s (what its confirm page
+-- counted), and takes the action's advisory lock in this session, which runs it: the lock says
+-- the action is alive. A second one of the same selection is refused by
 -- console_actions_running_idx (the caller shows the running one instead).
 INSERT INTO {schema}.console_actions (kind, who, filter, selection, upto, matched)
-VALUES (%(kind)s, %(who)s, %(filter)s, %(selection)s,
-        (SELECT coalesce(max(id), 0) FROM {schema}.dead), %(matched)s)
-RETURNING id, upto;
+VALUES (%(kind)s, %(who)s, %(filter)s, %(selection)s, %(upto)s, %(matched)s)
+RETURNING id,
+          CASE WHEN %(lock)s
+               THEN pg_try_advisory_lock(%(lock_class)s, (id %% 2147483647)::integer) END;
 
 -- name: action_interrupt_stale
--- A running action whose console stopped beating: interrupted (its rows moved or not, each once).
-UPDATE {schema}.console_actions
+-- A running action of this selection whose runner is gone (no session holds its advisory lock)
+-- and that has not moved for %(stale)s seconds: interrupted (each of its rows moved or not,
+-- once). A slow batch keeps its lock, so a live action is never taken over.
+UPDATE {schema}.console_actions AS a
 SET state = 'interrupted', finished_at = now(),
     detail = 'its console stopped before it finished'
-WHERE selection = %(selection)s AND state = 'running'
-  AND beat_at < now() - make_interval(secs => %(stale)s);
+WHERE a.selection = %(selection)s AND a.state = 'running'
+  AND a.beat_at < now() - make_interval(secs => %(stale)s)
+  AND NOT EXISTS (SELECT 1 FROM pg_locks AS l
+                  WHERE l.locktype = 'advisory' AND l.granted
+                    AND l.classid::bigint = %(lock_class)s::bigint
+                    AND l.objid::bigint = a.id %% 2147483647 AND l.objsubid = 2
+                    AND l.database = (SELECT oid FROM pg_database
+                                      WHERE datname = current_database()));
+
+-- name: action_lock_wait
+-- An action's statements wait this long for a lock (a producer's open transaction on a key it
+-- replays), then its batch fails and the action ends 'failed': never an unbounded wait.
+SELECT set_config('lock_timeout', %(wait)s, false);
 
 -- name: action_progress
 UPDATE {schema}.console_actions SET done = done + %(done)s, beat_at = now()
