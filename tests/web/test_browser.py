@@ -64,34 +64,38 @@ async def test_filter_replay_all_matching_and_the_messages_arrive(
 
 
 async def test_two_replays_of_one_filter_at_once_each_row_once_and_the_second_is_told(
-    browser: Browser, database_url: str
+    browser: Browser, database_url: str, amqp_url: str
 ) -> None:
-    wanted = insert_dead(database_url, [{"exchange": "twice"}] * 2000)
-    with serving(config(database_url)) as (base, _):
-        first, second = await browser.new_page(), await browser.new_page()
-        await confirm_all_matching(first, base, "twice", 2000)
-        await confirm_all_matching(second, base, "twice", 2000)
-        await asyncio.gather(
-            first.click("#confirm button[type=submit]"),
-            second.click("#confirm button[type=submit]"),
-        )
-        headings = [await p.locator("h1").inner_text() for p in (first, second)]
-        started = [p for p, h in zip((first, second), headings, strict=True) if "Action #" in h]
-        told = [p for p, h in zip((first, second), headings, strict=True) if "Action #" not in h]
-        assert len(started) == 1, headings
-        assert len(told) == 1, headings
-        await expect(told[0].locator("#already")).to_have_text(
-            re.compile("Someone is already at it|Nothing to replay")
-        )
-        action = await started[0].locator("h1").inner_text()
-        await expect(told[0].locator("main")).to_contain_text(
-            action.split(":")[0][len("Action ") :]
-        )
-        await expect(started[0].locator("#state")).to_have_attribute(
-            "data-state", "finished", timeout=60_000
-        )
-    sent = messages(database_url)
-    assert sorted(sent) == sorted(wanted)  # every row, none twice
+    async with amqp.broker(amqp_url) as broker:
+        await broker.declare()
+        wanted = insert_dead(database_url, [{"exchange": broker.exchange}] * 2000)
+        with serving(config(database_url)) as (base, _):
+            first, second = await browser.new_page(), await browser.new_page()
+            await confirm_all_matching(first, base, broker.exchange, 2000)
+            await confirm_all_matching(second, base, broker.exchange, 2000)
+            await asyncio.gather(
+                first.click("#confirm button[type=submit]"),
+                second.click("#confirm button[type=submit]"),
+            )
+            pages = (first, second)
+            headings = [await p.locator("h1").inner_text() for p in pages]
+            started = [p for p, h in zip(pages, headings, strict=True) if "Action #" in h]
+            told = [p for p, h in zip(pages, headings, strict=True) if "Action #" not in h]
+            assert len(started) == 1, headings
+            assert len(told) == 1, headings
+            await expect(told[0].locator("#already")).to_have_text(
+                re.compile("Someone is already at it|Nothing to replay")
+            )
+            action = (await started[0].locator("h1").inner_text()).split(":")[0]
+            await expect(told[0].locator("main")).to_contain_text(action[len("Action ") :])
+            await expect(started[0].locator("#state")).to_have_attribute(
+                "data-state", "finished", timeout=60_000
+            )
+        settings = inprocess.settings_for(database_url, amqp_url)
+        async with inprocess.running(settings):
+            received = await broker.collect(2000, settle=1.0)
+    assert len(received) == 2000  # none twice (collect waits a second more for extra copies)
+    assert sorted(uuid.UUID(r.message_id) for r in received) == sorted(wanted)
 
 
 async def test_a_viewer_sees_no_buttons_and_the_server_refuses_a_forged_post(
@@ -181,7 +185,7 @@ async def test_the_keys_page_releases_a_blocked_key(browser: Browser, database_u
 async def test_bad_input_in_each_form_is_a_4xx_with_a_message(
     browser: Browser, database_url: str
 ) -> None:
-    with serving(config(database_url)) as (base, _):
+    with serving(config(database_url)) as (base, console):
         page = await browser.new_page()
         for query, says in (
             ("reason=bogus", "unknown reason"),
@@ -201,3 +205,15 @@ async def test_bad_input_in_each_form_is_a_4xx_with_a_message(
         response = await page.goto(f"{base}/dead/12345678")
         assert response is not None
         assert response.status == 404
+        # The write forms, sent with the page's own token and values no button sends.
+        await page.goto(f"{base}/keys")
+        token = console.csrf.token(await page.locator("#who").inner_text())
+        for path, form, says in (
+            ("/keys/release", {"key": "k1", "mode": "maybe"}, "replay or skip"),
+            ("/dead/confirm", {"kind": "erase", "scope": "all"}, "replay or purge"),
+            ("/dead/act", {"kind": "purge", "scope": "all", "upto": "-1"}, "confirm it again"),
+        ):
+            sent: dict[str, str | float | bool] = {**form, "csrf": token}
+            answer = await page.request.post(base + path, form=sent)
+            assert answer.status == 400, path
+            assert says in await answer.text()
