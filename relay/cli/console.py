@@ -51,7 +51,7 @@ def console(
     It acts as the database login it connects with: as a viewer role's login it only reads."""
     if ctx.invoked_subcommand is not None:
         return
-    from relay.core import config
+    from relay.core import config, logs
     from relay.web import security
 
     if users_file is not None and trusted_header is not None:
@@ -64,6 +64,7 @@ def console(
             "--trusted-header behind a proxy that logs people in), or listen on 127.0.0.1"
         )
     settings = config.load(**flags)
+    logs.configure(settings.log_level, settings.log_format)
     _serve(settings, host, port, access, read_only)
 
 

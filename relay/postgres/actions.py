@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import threading
 import zlib
 from collections.abc import Callable
@@ -26,6 +27,8 @@ from psycopg.types.json import Jsonb
 from relay.core import errors
 from relay.core.filters import DeadFilter
 from relay.postgres import admin, pg, sql
+
+log = logging.getLogger("relay.console")
 
 Kind = Literal["replay", "purge"]
 #: An action is taken for dead when no session holds its advisory lock (its runner's session
@@ -163,6 +166,14 @@ class Actions:
         except BaseException:
             conn.close()
             raise
+        log.info(
+            "console action %d: %s of %d dead letters by %s, filter %s",
+            action.id,
+            kind,
+            matched,
+            who,
+            json.dumps(action.filter, sort_keys=True),
+        )
         thread = threading.Thread(
             target=self._run,
             args=(ops, action.id, kind, where, upto, batch, on_end),
@@ -268,6 +279,15 @@ class Actions:
     ) -> None:
         conn.execute(self._q.action_end, {"id": action_id, "state": state, "detail": detail})
         action = self._get(conn, action_id)
+        if action is not None:
+            log.info(
+                "console action %d %s: %d of %d%s",
+                action_id,
+                action.state,
+                action.done,
+                action.matched,
+                f" ({action.detail})" if action.detail else "",
+            )
         if on_end is not None and action is not None:
             on_end(action)
 
