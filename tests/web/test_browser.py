@@ -8,6 +8,7 @@ import re
 import uuid
 
 import psycopg
+import pytest
 from playwright.async_api import Browser, Page, expect
 
 from relay.postgres import roles
@@ -15,6 +16,10 @@ from relay.web import security
 from tests.integration.test_dead_letters import insert_dead
 from tests.support import amqp, inprocess
 from tests.web.conftest import config, serving
+
+# Slow (~20 s in all): each test launches Chromium and serves the console on a real socket; the
+# fast tier leaves them out (tests/web/test_console.py covers the same server in-process).
+pytestmark = pytest.mark.slow
 
 
 def messages(url: str) -> list[uuid.UUID]:
