@@ -412,6 +412,28 @@ def test_an_id_given_twice_is_refused_and_sent_once(world: World) -> None:
     assert [s.message_id for s in world.ledger.sends] == [given]
 
 
+def test_an_id_given_again_while_a_settle_of_it_is_open_waits_for_that_settle_alone(
+    world: World,
+) -> None:
+    # p begins (REPEATABLE READ) before X commits, so its own look for X finds nothing. Relay a
+    # claims X, publishes it, and its settle (archiving X) is held open. p passes X: the unique
+    # index cannot decide until a's transaction ends, so the insert waits for it, as any unique
+    # check must (found by the property test as a hang: the world gives such an enqueue up,
+    # since it cannot wait on an actor it drives). X goes out exactly once.
+    a, _ = world.relays
+    producer = world.producers[0]
+    world.begin(producer, repeatable=True)
+    world.commit_now(None)
+    (given,) = world.waiting_ids()
+    world.until(a, "settle")
+    world.hold(world.first(a, "settle"))
+    world.enqueue(producer, None, given)
+    assert not producer.open  # given up, its transaction rolled back: the world did not hang
+    world.finish_held(world.held[0])
+    assert world.finish() == []
+    assert [s.message_id for s in world.ledger.sends] == [given]
+
+
 def test_a_relay_of_the_previous_release_alone_releases_keys_a_race_left_gated(
     database_url: str,
 ) -> None:

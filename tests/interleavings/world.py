@@ -696,11 +696,21 @@ class World:
     def enqueue(self, p: Producer, key: str | None, message_id: UUID | None = None) -> None:
         """An enqueue in `p`'s open transaction; with `message_id`, one another transaction used
         too: refused (DuplicateMessage), at once or once that one commits, and `p`'s transaction
-        ends with it — unless that one rolled back."""
+        ends with it — unless that one rolled back. A message_id whose row a relay's open
+        transaction holds (a claim or a settle at a gate) makes the insert's unique check wait
+        for that transaction, as any unique check must: that enqueue is given up (cancelled, and
+        `p`'s transaction rolled back), since the world would wait on an actor it drives."""
+        task = self.loop.create_task(
+            relay.enqueue_async(p.conn, "x", "k", b"", ordering_key=key, message_id=message_id)
+        )
         try:
-            given = self.run(
-                relay.enqueue_async(p.conn, "x", "k", b"", ordering_key=key, message_id=message_id)
-            )
+            if not self.run(self._until_done_or_waiting(p.name, task)):
+                self.run(p.conn.cancel_safe())
+                with contextlib.suppress(psycopg.Error, errors.RelayError):
+                    self.run(task)
+                self.run(self._abort(p))
+                return
+            given = task.result()
         except psycopg.errors.SerializationFailure as exc:
             if message_id is not None:  # one promise for an id given twice, whatever the timing
                 self.ledger.violate(f"{p.name}'s second enqueue of {message_id} failed: {exc}")
