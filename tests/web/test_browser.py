@@ -68,16 +68,18 @@ async def test_filter_replay_all_matching_and_the_messages_arrive(
         assert left == set(others)
 
 
+# Slow (~8 s): Chromium with two pages, and a relay that delivers the 1,000 rows to a real queue,
+# which is then watched a second more for copies: delivery once is the promise judged.
 async def test_two_replays_of_one_filter_at_once_each_row_once_and_the_second_is_told(
     browser: Browser, database_url: str, amqp_url: str
 ) -> None:
     async with amqp.broker(amqp_url) as broker:
         await broker.declare()
-        wanted = insert_dead(database_url, [{"exchange": broker.exchange}] * 2000)
+        wanted = insert_dead(database_url, [{"exchange": broker.exchange}] * 1000)
         with serving(config(database_url)) as (base, _):
             first, second = await browser.new_page(), await browser.new_page()
-            await confirm_all_matching(first, base, broker.exchange, 2000)
-            await confirm_all_matching(second, base, broker.exchange, 2000)
+            await confirm_all_matching(first, base, broker.exchange, 1000)
+            await confirm_all_matching(second, base, broker.exchange, 1000)
             await asyncio.gather(
                 first.click("#confirm button[type=submit]"),
                 second.click("#confirm button[type=submit]"),
@@ -98,8 +100,8 @@ async def test_two_replays_of_one_filter_at_once_each_row_once_and_the_second_is
             )
         settings = inprocess.settings_for(database_url, amqp_url)
         async with inprocess.running(settings):
-            received = await broker.collect(2000, settle=1.0)
-    assert len(received) == 2000  # none twice (collect waits a second more for extra copies)
+            received = await broker.collect(1000, settle=1.0)
+    assert len(received) == 1000  # none twice (collect waits a second more for extra copies)
     assert sorted(uuid.UUID(r.message_id) for r in received) == sorted(wanted)
 
 
