@@ -161,7 +161,15 @@ class Actions:
                     conn.close()
                     return Already(latest, running=True)
                 assert row is not None
-                action = self._get(conn, int(row[0]))
+                action_id = int(row[0])
+                if self._count(where, upto) == 0:
+                    # An action of this selection that ended between the count and the record
+                    # took the rows: say which, and record this one as having found nothing.
+                    self._end(conn, action_id, "finished", "nothing left to act on", None)
+                    latest = self._latest(conn, chosen, exclude=action_id)
+                    conn.close()
+                    return Already(latest, running=False)
+                action = self._get(conn, action_id)
                 assert action is not None  # written just now, in this session
         except BaseException:
             conn.close()
@@ -223,9 +231,12 @@ class Actions:
             row = conn.execute(self._q.action_get, {"id": action_id}).fetchone()
         return None if row is None else Action(*row)
 
-    def _latest(self, conn: psycopg.Connection[Any], chosen: str) -> Action | None:
+    def _latest(
+        self, conn: psycopg.Connection[Any], chosen: str, exclude: int = 0
+    ) -> Action | None:
         with pg.translate_errors(self._schema):
-            row = conn.execute(self._q.action_latest, {"selection": chosen}).fetchone()
+            params = {"selection": chosen, "exclude": exclude}
+            row = conn.execute(self._q.action_latest, params).fetchone()
         return None if row is None else Action(*row)
 
     def _run(

@@ -508,3 +508,45 @@ def test_the_overview_counts_each_reason_up_to_a_cap(
     page = web.get("/").text
     assert re.search(r"unroutable</a></td><td>3\+</td>", page)
     assert re.search(r"rejected</a></td><td>2</td>", page)
+
+
+def test_an_action_that_ends_between_the_count_and_the_record_is_named_not_repeated(
+    database_url: str,
+) -> None:
+    """The order of events worried about: bob's start counts the rows (some left), alice's
+    action of the same filter takes the last of them and ends, then bob's start records its
+    own. Bob is told about alice's action; his own is recorded as having found nothing."""
+    insert_dead(database_url, [{"exchange": "raced"}] * 4)
+    browser = browse.Browser(database_url)
+    browser.open()
+    where = DeadFilter(exchange="raced")
+    counts = 0
+
+    def count(where: DeadFilter, upto: int) -> int:
+        nonlocal counts
+        counts += 1
+        if counts == 2:  # after bob's first count and his record: alice came and went between
+            with psycopg.connect(database_url, autocommit=True) as conn:
+                conn.execute(
+                    "INSERT INTO outbox.console_actions (kind, who, filter, selection, upto,"
+                    " matched, done, state, finished_at) VALUES ('purge', 'alice', '{}', %s, 0,"
+                    " 4, 4, 'finished', now())",
+                    (actions.selection("purge", where),),
+                )
+                conn.execute("DELETE FROM outbox.dead WHERE exchange = 'raced'")
+        return browser.count(where, upto)
+
+    try:
+        runner = actions.Actions(database_url, count)
+        told = runner.start("purge", "bob", where, browser.last_dead())
+        assert isinstance(told, actions.Already)
+        assert not told.running
+        assert told.action is not None
+        assert told.action.who == "alice"
+        with psycopg.connect(database_url) as conn:
+            bobs = conn.execute(
+                "SELECT state, done, detail FROM outbox.console_actions WHERE who = 'bob'"
+            ).fetchall()
+        assert bobs == [("finished", 0, "nothing left to act on")]
+    finally:
+        browser.close()

@@ -246,7 +246,7 @@ WHERE id = %(id)s;
 SELECT id, kind, who, db_user, filter, matched, done, state, detail, started_at, beat_at,
        finished_at
 FROM {schema}.console_actions
-WHERE selection = %(selection)s
+WHERE selection = %(selection)s AND id <> %(exclude)s
 ORDER BY state = 'running' DESC, id DESC
 LIMIT 1;
 
