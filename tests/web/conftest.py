@@ -1,5 +1,6 @@
-"""The console served for real (uvicorn on a port the OS gives, in a thread of its own) and a
-headless Chromium, the machine's own (Debian's `chromium`; deploy/dev installs it), driven by
+"""`web`: the console under Starlette's test client (tests/web/support.py). `serving`: the
+console served for real (uvicorn on a port the OS gives, in a thread of its own), and `browser`:
+a headless Chromium, the machine's own (Debian's `chromium`; deploy/dev installs it), driven by
 Playwright. Without that browser the browser tests fail: they never skip."""
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from typing import Any
 import pytest
 import uvicorn
 from playwright.async_api import Browser, async_playwright
+from starlette.testclient import TestClient
 
 from relay.web import app
 from tests.support.wait import until
+from tests.web.support import client
 
 
 @contextlib.contextmanager
@@ -60,6 +63,12 @@ async def browser() -> AsyncIterator[Browser]:
             yield launched
         finally:
             await launched.close()
+
+
+@pytest.fixture
+def web(database_url: str) -> Iterator[TestClient]:
+    with client(database_url) as c:
+        yield c
 
 
 def config(database_url: str, **changes: Any) -> app.Config:
