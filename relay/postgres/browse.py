@@ -93,20 +93,11 @@ class Overview:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class DeadLine:
-    """One row of a dead-letter page."""
+class DeadLine(admin.DeadRow):
+    """One row of a dead-letter page: a dead letter as `dead list` shows it, with its row id
+    (for its own page and the page's position) and its body's size."""
 
     id: int
-    message_id: UUID
-    failed_at: datetime
-    reason: str
-    detail: str
-    exchange: str
-    routing_key: str
-    ordering_key: str | None
-    seq: int | None
-    attempts: int
-    replays: int
     size: int
 
 

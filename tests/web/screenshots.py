@@ -20,6 +20,7 @@ from relay.web import app
 from tests.integration.test_dead_letters import insert_dead
 from tests.support import services
 from tests.web.conftest import chromium, serving
+from tests.web.support import block_key
 
 IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
 PAGES = {
@@ -51,12 +52,8 @@ def fill(url: str) -> None:
             ).fetchone()
             or ()
         )
-        conn.execute("INSERT INTO outbox.keys VALUES ('customer-7', 5, 1, '0', NULL)")
-        conn.execute(
-            "INSERT INTO outbox.blocked_keys (ordering_key, message_id, seq, reason)"
-            " VALUES ('customer-7', %s, 3, 'max_attempts')",
-            (blocker,),
-        )
+    block_key(url, "customer-7", blocker, 3, reason="max_attempts")
+    with psycopg.connect(url) as conn:
         conn.execute(
             "UPDATE outbox.dead SET body = convert_to("
             """'{"order_id": 42, "amount": "19.90", "currency": "EUR"}', 'UTF8'),"""

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import re
 import uuid
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
 from starlette.testclient import TestClient
 
 from relay.web import app
+from tests.support.wait import until
 
 
 def client(database_url: str, **config: Any) -> TestClient:
@@ -38,11 +38,28 @@ def waiting(url: str) -> list[uuid.UUID]:
 
 
 def until_ended(web: TestClient, action_id: int) -> str:
-    deadline = datetime.now(UTC) + timedelta(seconds=60)
-    while datetime.now(UTC) < deadline:
+    """The action's state once it is no longer running, as its page's live part says."""
+
+    def ended() -> str | None:
         page = web.get(f"/actions/{action_id}", headers={"HX-Request": "true"}).text
         state = re.search(r'data-state="(\w+)"', page)
         assert state
-        if state[1] != "running":
-            return state[1]
-    raise AssertionError(f"action {action_id} still running after 60 s")
+        return None if state[1] == "running" else state[1]
+
+    state = until(ended, timeout=60, message=f"action {action_id} to end")
+    assert state is not None  # until returns only what is truthy
+    return state
+
+
+def block_key(
+    url: str, key: str, message_id: uuid.UUID, seq: int, *, reason: str = "unroutable"
+) -> None:
+    """Block `key` behind its dead message `message_id` (number `seq`), as a dead-lettering
+    under the 'block' policy leaves it; the key's next number is the one after."""
+    with psycopg.connect(url) as conn:
+        conn.execute("INSERT INTO outbox.keys VALUES (%s, %s, 1, '0', NULL)", (key, seq + 1))
+        conn.execute(
+            "INSERT INTO outbox.blocked_keys (ordering_key, message_id, seq, reason)"
+            " VALUES (%s, %s, %s, %s)",
+            (key, message_id, seq, reason),
+        )

@@ -16,6 +16,7 @@ from relay.web import security
 from tests.integration.test_dead_letters import insert_dead
 from tests.support import amqp, inprocess
 from tests.web.conftest import config, serving
+from tests.web.support import block_key
 
 # Slow (~20 s in all): each test launches Chromium and serves the console on a real socket; the
 # fast tier leaves them out (tests/web/test_console.py covers the same server in-process).
@@ -171,13 +172,7 @@ async def test_beyond_loopback_a_login_is_asked_and_a_post_without_its_token_is_
 
 async def test_the_keys_page_releases_a_blocked_key(browser: Browser, database_url: str) -> None:
     (dead_id,) = insert_dead(database_url, [{"ordering_key": "k1", "seq": 1}])
-    with psycopg.connect(database_url) as conn:
-        conn.execute("INSERT INTO outbox.keys VALUES ('k1', 2, 1, '0', NULL)")
-        conn.execute(
-            "INSERT INTO outbox.blocked_keys (ordering_key, message_id, seq, reason)"
-            " VALUES ('k1', %s, 1, 'unroutable')",
-            (dead_id,),
-        )
+    block_key(database_url, "k1", dead_id, 1)
     with serving(config(database_url)) as (base, _):
         page = await browser.new_page()
         await page.goto(f"{base}/keys")

@@ -19,7 +19,7 @@ from relay.cli.commands import main
 from relay.postgres import browse
 from relay.web import app, security
 from tests.integration.test_dead_letters import insert_dead
-from tests.web.support import client, csrf, dead_ids, waiting
+from tests.web.support import block_key, client, csrf, dead_ids, waiting
 
 
 def test_every_page_answers_with_the_security_headers(web: TestClient, database_url: str) -> None:
@@ -214,13 +214,7 @@ def test_the_keys_page_releases_a_blocked_key_saying_what_it_does(
     web: TestClient, database_url: str
 ) -> None:
     (dead_id,) = insert_dead(database_url, [{"ordering_key": "k1", "seq": 1}])
-    with psycopg.connect(database_url) as conn:
-        conn.execute("INSERT INTO outbox.keys VALUES ('k1', 2, 1, '0', NULL)")
-        conn.execute(
-            "INSERT INTO outbox.blocked_keys (ordering_key, message_id, seq, reason)"
-            " VALUES ('k1', %s, 1, 'unroutable')",
-            (dead_id,),
-        )
+    block_key(database_url, "k1", dead_id, 1)
     page = web.get("/keys").text
     assert "Replay it, then go on" in page
     assert "Skip it" in page
