@@ -39,8 +39,10 @@ class Relay:
         on_chore_error: Callable[[str], None] | None = None,
         on_lock_retry: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self._store = store
+        self._sleep = sleep  # how a settle waits before its retry (a test's world: not at all)
         self._publisher = publisher
         self._options = options
         self._clock = clock
@@ -325,7 +327,7 @@ class Relay:
             exc = state.outcome.exception() if state.outcome else None
             return isinstance(exc, errors.LockTimeout) and not self.leases.trusted(claim_id)
 
-        async for attempt in self._retrying(asyncio.sleep, given_up):
+        async for attempt in self._retrying(self._sleep, given_up):
             with attempt:
                 return await self._store.settle(claim_id, settlement, then)
         raise AssertionError("unreachable")  # pragma: no cover
