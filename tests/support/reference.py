@@ -73,27 +73,30 @@ def settings() -> str:
     return HEADER + "\n".join(out)
 
 
-def _commands(group: click.Group, prefix: str) -> Iterator[tuple[str, click.Command]]:
-    ctx = click.Context(group, info_name=prefix)
-    for name in group.list_commands(ctx):
-        command = group.get_command(ctx, name)
-        if command is None or command.hidden:
-            continue
-        path = f"{prefix} {name}"
-        yield path, command
-        if isinstance(command, click.Group):
-            yield from _commands(command, path)
+def contexts(
+    command: click.Command, name: str, parent: click.Context | None = None
+) -> Iterator[click.Context]:
+    """Each command's context as `outbox-relay … --help` builds it: under its parents', so what
+    a parent sets for its children (`-h` as well as `--help`) shows as it works. Built without
+    the parents, a child's help depends on whether click cached its help option under a parent
+    before (it does, per command): another test's invocation changed this page."""
+    options = {**command.context_settings, "terminal_width": 100, "max_content_width": 100}
+    ctx = click.Context(command, info_name=name, parent=parent, **options)
+    yield ctx
+    if isinstance(command, click.Group):
+        for child in command.list_commands(ctx):
+            sub = command.get_command(ctx, child)
+            if sub is not None and not sub.hidden:
+                yield from contexts(sub, child, ctx)
 
 
 def commands() -> str:
     group = cli.main
     assert isinstance(group, click.Group)
     out = ["# Commands", "", "`outbox-relay --help` and each command's `--help` say the same.", ""]
-    entries = [("outbox-relay", group), *_commands(group, "outbox-relay")]
-    for path, command in entries:
-        options = {**command.context_settings, "terminal_width": 100, "max_content_width": 100}
-        ctx = click.Context(command, info_name=path, **options)
-        out += [f"## `{path}`", "", "```text", command.get_help(ctx).rstrip(), "```", ""]
+    for ctx in contexts(group, "outbox-relay"):
+        help_text = ctx.command.get_help(ctx).rstrip()
+        out += [f"## `{ctx.command_path}`", "", "```text", help_text, "```", ""]
     return HEADER + "\n".join(out)
 
 

@@ -29,6 +29,17 @@ def test_the_reference_is_what_the_code_says(name: str) -> None:
     )
 
 
+def test_the_commands_page_is_the_same_after_the_commands_ran() -> None:
+    """click caches a command's help option when it first builds it, with the names its context
+    had then: a page rendered without each command's parents changed once a test had run the
+    command in this process (as one worker's order did: `-h, --help` against `--help`)."""
+    from click.testing import CliRunner
+
+    for ctx in list(reference.contexts(cli.main, "outbox-relay"))[1:]:
+        CliRunner().invoke(cli.main, [*ctx.command_path.split()[1:], "--help"])
+    assert reference.commands() == (reference.OUT / "commands.md").read_text(encoding="utf-8")
+
+
 def test_every_run_flag_is_a_setting() -> None:
     assert set(cli.CONNECTION + cli.RELAY_KNOBS) == set(config.Settings.model_fields)
 
