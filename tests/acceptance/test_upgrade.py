@@ -160,7 +160,16 @@ def _install(rev: str, root: Path) -> OldRelease:
         assert done.returncode == 0, f"{rev}: {' '.join(argv)}:\n{done.stdout}{done.stderr}"
     python = venv / "bin" / "python"
     (wheel,) = wheels.glob("*.whl")
-    done = _run(*pip, "--python", str(python), "install", "--no-deps", "--no-index", str(wheel))
+    done = _run(
+        *pip,
+        "--python",
+        str(python),
+        "install",
+        "--no-deps",
+        "--no-index",
+        "--no-compile",
+        str(wheel),
+    )
     assert done.returncode == 0, f"{rev}: pip install {wheel.name}:\n{done.stderr}"
     # Only now (pip must not see this checkout's outbox-relay as already installed there): the
     # dependencies, from the running venv, after the venv's own site-packages on sys.path.
