@@ -30,6 +30,8 @@ def snapshot(url: str) -> list[tuple[Any, ...]]:
     )
 
 
+# Slow (~4-10 s): six `outbox-relay` processes, each ~0.4 s of start-up (more in the parallel
+# run): the command as users run it, its exit code and its one line on stderr.
 def test_list_show_and_stats(env: dict[str, str], database_url: str) -> None:
     old = bury(database_url, 3, reason="rejected", routing_key="orders.eu.created")
     bury(database_url, 2, reason="unroutable", exchange="billing", routing_key="invoice.paid")
@@ -92,6 +94,8 @@ def test_show_is_safe_with_binary_and_hostile_text(env: dict[str, str], database
     assert "\\x1b]0;pwned\\x07" in shown
 
 
+# Slow (~4-10 s): seven `outbox-relay` processes, each ~0.4 s of start-up (more in the parallel
+# run): the command as users run it, its exit code and its one line on stderr.
 @pytest.mark.parametrize(
     "hostile",
     [
@@ -155,6 +159,8 @@ def test_errors_are_one_clear_line(env: dict[str, str], closed_port: int) -> Non
     assert "s3cret" not in down.stderr
 
 
+# Slow (~4-10 s): eight `outbox-relay` processes, each ~0.4 s of start-up (more in the parallel
+# run): the command as users run it, its exit code and its one line on stderr.
 def test_ids_as_dead_list_shows_them_work_in_every_command(
     env: dict[str, str], database_url: str
 ) -> None:

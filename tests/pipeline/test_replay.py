@@ -464,6 +464,8 @@ def test_a_dry_run_counts_per_route_and_sends_nothing(
     assert found.selected == len([r for r in archived if r["published"] >= day(3)]) > len(chosen)
 
 
+# Slow (~2 s; ~20 s as the first Spark test of its worker, which pays the session's JVM start and
+# the module's export): a replay through Spark of the days it selects.
 def test_a_replay_reads_only_the_days_it_selects(
     spark: SparkSession, database_url: str, lake: str, archived: list[dict[str, Any]]
 ) -> None:
