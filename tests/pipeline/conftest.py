@@ -31,6 +31,8 @@ CUTOFF_AGO = timedelta(days=2)
 LAST_MICROSECOND = datetime(2026, 11, 10, 23, 59, 59, 999999, tzinfo=UTC)
 
 
+# Each xdist worker that runs a Spark test starts this session's JVM once (~5 s alone, 15-20 s in
+# the parallel run): whichever Spark test comes first on a worker pays it, and says so.
 @pytest.fixture(scope="session")
 def spark() -> Iterator[SparkSession]:
     if shutil.which("java") is None and not Path("/usr/share/java/postgresql.jar").exists():

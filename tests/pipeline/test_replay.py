@@ -430,6 +430,8 @@ def test_a_replay_killed_midway_and_run_again_enqueues_each_message_once(
         )
 
 
+# Slow (~3 s; ~25 s as the first Spark test of its worker, which pays the session's JVM start and
+# the module's export): a dry run's counts per route, through Spark.
 def test_a_dry_run_counts_per_route_and_sends_nothing(
     spark: SparkSession, database_url: str, lake: str, archived: list[dict[str, Any]]
 ) -> None:
