@@ -115,3 +115,16 @@ def test_a_session_the_last_test_left_open_cannot_reach_the_next_one(
         left.execute("SELECT 1")
     with pytest.raises(psycopg.OperationalError, match="does not exist"):
         psycopg.connect(svc.with_database(used))
+
+
+def test_closing_drops_every_database_taken_and_not_given_back(
+    svc: services.Services, template_db: str
+) -> None:
+    made = databases.Copies(svc.database_url, svc.with_database, template_db)
+    kept, given = made.take(), made.take()
+    made.give_back(given)
+    spare = made.take()  # `given`, reset under a new name
+    made.give_back(made.take())  # a new spare, left for close()
+    made.close()
+    assert [n for n in (kept, given, spare) if exists(svc, n)] == []
+    assert (made.reused, made.dropped) == (2, 0)
