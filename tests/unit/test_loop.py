@@ -220,6 +220,23 @@ async def test_settle_is_retried_through_a_database_outage() -> None:
     assert store.calls.count("settle") == 3
 
 
+async def test_a_settle_retry_waits_by_the_sleep_the_relay_was_given() -> None:
+    # The interleaving world passes one that returns at once: a retry's timing is then the test's,
+    # never the machine's (a real wait made Hypothesis replay a case differently).
+    store, publisher = MemoryStore(), ScriptedPublisher()
+    store.add()
+    store.fail_next["settle"] = 2
+    waits: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+
+    relay = loop.Relay(store, publisher, loop.Options(), sleep=sleep)
+    assert (await relay.run_once()).settled.archived == 1
+    assert len(waits) == 2, waits
+    assert min(waits) > 0, waits
+
+
 async def test_settle_of_a_row_reclaimed_elsewhere_is_a_counted_no_op() -> None:
     # A relay stalls past its lease (its heartbeats cannot reach the database), another claims the
     # orphan and archives it; the first relay's late settle must change nothing.
