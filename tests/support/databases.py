@@ -127,6 +127,8 @@ class Copies:
     def give_back(self, name: str) -> None:
         """Reset `name` for the next test, under a new name; or drop it if it cannot be."""
         self._out.discard(name)
+        if self._spare is not None:  # a second spare: the first is left for close() to drop
+            self._out.add(self._spare)
         try:
             self._spare = self._reset(name)
             self.reused += 1
