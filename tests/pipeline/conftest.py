@@ -15,15 +15,20 @@ import pytest
 if not os.environ.get("CI"):  # CI installs the spark extra: there, its absence is a failure
     pytest.importorskip("pyspark", reason="the spark extra is not installed")
 
-# The tests' Spark jobs are small and short: the JVM's quick compiler alone runs them about a
-# fifth faster, and the serial collector spares the two cores the parallel one's threads (this
-# process's JVM and the pipelines the tests start as subprocesses).
-os.environ.setdefault("JAVA_TOOL_OPTIONS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
-
 from pyspark.sql import SparkSession
 
 from relay.core import config
 from relay.pipeline import session
+from tests.support import spark_classes
+
+# The tests' Spark jobs are small and short: the JVM's quick compiler alone runs them about a
+# fifth faster, and the serial collector spares the two cores the parallel one's threads (this
+# process's JVM and the pipelines the tests start as subprocesses). Each JVM maps the classes
+# it loads at its start from an archive, if `deploy/dev test` made one (tests/support/
+# spark_classes.py). Set before this process's first JVM, and inherited by every other.
+os.environ.setdefault(
+    "JAVA_TOOL_OPTIONS", f"{spark_classes.BASE} {spark_classes.java_options()}".strip()
+)
 
 #: Rows published before this are exported; the test data straddles it.
 CUTOFF_AGO = timedelta(days=2)

@@ -59,7 +59,10 @@ def standalone(folder: Path, env: Mapping[str, str], *, timeout: float = 90) -> 
         **env,
         "SPARK_HOME": str(SPARK_HOME),
         "SPARK_LOCAL_IP": "127.0.0.1",  # every process binds and advertises 127.0.0.1
-        "SPARK_CONF_DIR": str(folder / "conf"),  # none: the machine's spark-env.sh stays out
+        # pyspark's own, which its wheel leaves out: none of the machine's spark-env.sh is read,
+        # and the daemons' class path is the tests' other Spark JVMs' (tests/support/
+        # spark_classes.py: then they share their class archive).
+        "SPARK_CONF_DIR": str(SPARK_HOME / "conf"),
     }
     port, ui = free_port(), free_port()
     cluster = Cluster(
