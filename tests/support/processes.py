@@ -11,6 +11,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tests.support.zygote import Zygote
+
+_ZYGOTE = Zygote()
+
 
 def end(proc: subprocess.Popen[Any], seconds: float = 10.0) -> None:
     """SIGTERM; SIGKILL if it has not exited within `seconds`."""
@@ -36,7 +40,12 @@ def run_cli(
     *args: str, env: Mapping[str, str] | None = None, timeout: float = 60, answer: str | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Run `outbox-relay ARGS` to completion and capture its output; `answer` is its stdin
-    (else it has none, as under CI)."""
+    (else it has none, as under CI). A child forked from this worker's zygote, which has the CLI
+    imported already (tests/support/zygote.py); a process of its own while another thread's
+    command runs there."""
+    forked = _ZYGOTE.run(list(args), env or clean_env(), timeout, answer)
+    if forked is not None:
+        return forked
     return subprocess.run(
         [sys.executable, "-m", "relay", *args],
         env=dict(env or clean_env()),
