@@ -231,7 +231,7 @@ def test_demo_shows_messages_flowing(empty_database_url: str, amqp_url: str) -> 
 
 
 def test_version_and_module_entry_point() -> None:
-    result = run_cli("--version")
+    result = run_cli("--version", fresh=True)  # `python -m relay` from the interpreter's start
     assert result.returncode == 0
     assert result.stdout.strip() == f"outbox-relay, version {relay.__version__}"
 

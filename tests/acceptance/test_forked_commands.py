@@ -4,9 +4,12 @@ test gave and saw, nothing left from the command before, and a timeout that kill
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import threading
 from urllib.parse import urlsplit
+
+import pytest
 
 from tests.support.processes import _ZYGOTE, assert_one_line_error, clean_env, run_cli
 from tests.support.wait import until
@@ -51,3 +54,30 @@ def test_a_command_past_its_timeout_is_killed_and_another_thread_still_runs_one(
     assert "outbox-relay" in version.stdout
     assert len(outcome) == 1, "the relay's command did not time out"
     assert not _ZYGOTE.busy()  # its child was killed and reaped
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_a_wait_interrupted_as_a_test_timeout_does_leaves_the_next_command_its_own_answer(
+    database_url: str, amqp_url: str
+) -> None:
+    def interrupt(*_: object) -> None:
+        raise Interrupted
+
+    env = clean_env(OUTBOX_DATABASE_URL=database_url, OUTBOX_AMQP_URL=amqp_url)
+    before = signal.signal(signal.SIGALRM, interrupt)  # as pytest-timeout interrupts a test
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.5)
+        with pytest.raises(Interrupted):
+            run_cli("run", env=env, timeout=60)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+    assert not _ZYGOTE.busy()
+    version = run_cli("--version")  # not the relay's late answer
+    assert version.returncode == 0, version.stderr
+    assert version.stdout.startswith("outbox-relay, version")
+    stats = run_cli("stats", env=env)
+    assert stats.returncode == 0, stats.stderr

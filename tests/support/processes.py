@@ -37,15 +37,21 @@ def clean_env(**settings: str) -> dict[str, str]:
 
 
 def run_cli(
-    *args: str, env: Mapping[str, str] | None = None, timeout: float = 60, answer: str | None = None
+    *args: str,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 60,
+    answer: str | None = None,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """Run `outbox-relay ARGS` to completion and capture its output; `answer` is its stdin
     (else it has none, as under CI). A child forked from this worker's zygote, which has the CLI
-    imported already (tests/support/zygote.py); a process of its own while another thread's
-    command runs there."""
-    forked = _ZYGOTE.run(list(args), env or clean_env(), timeout, answer)
-    if forked is not None:
-        return forked
+    imported already (tests/support/zygote.py); a process the interpreter starts, as a user's
+    shell does, when `fresh` (for a test of that start) or while another thread's command runs
+    in the zygote."""
+    if not fresh:
+        forked = _ZYGOTE.run(list(args), env or clean_env(), timeout, answer)
+        if forked is not None:
+            return forked
     return subprocess.run(
         [sys.executable, "-m", "relay", *args],
         env=dict(env or clean_env()),

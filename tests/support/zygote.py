@@ -4,21 +4,30 @@ A command that runs to completion (`run_cli`) spends about 0.3 CPU-seconds impor
 pydantic and psycopg before it does anything, and the suite runs a few hundred of them. Each
 worker starts one process (`python -m tests.support.zygote`) that imports them once and then,
 for each command, forks a child. The child is a real process as the command line makes it: its
-own environment (os.environ, so libpq sees it too), working directory, stdin, stdout and
-stderr files, arguments, exit code, at-exit handlers; it starts from the state the imports left
-and nothing a command did before (each child is a fresh fork). What it does not repeat is the
-interpreter's start and the imports: a test of those starts its own process.
+own environment (os.environ, so libpq sees it too), working directory, arguments, stdin, exit
+code; stdout and stderr are pipes (named ones) the test reads to their end, so a process the
+command leaves behind holding them keeps the test waiting, as `subprocess.run` would; at its
+end it waits for its threads, runs its at-exit handlers and collects its garbage, as the
+interpreter does. Each child starts from the state the imports left, never from another
+command's. What it does not repeat is the interpreter's start: settings read only then
+(PYTHONPATH, PYTHONHASHSEED, PYTHONUTF8, the locale) are the zygote's, which is this test
+process's environment. A test of the start itself asks run_cli for a process of its own.
 
 The protocol is a JSON line each way over the zygote's stdin and stdout: a request, then
-`{"pid": …}` when the child is forked and `{"status": …}` when it has exited."""
+`{"pid": …}` once the child is forked and `{"status": …, "timed_out": …}` once it has exited
+(the zygote kills it at its timeout, before it has reaped it: the pid is still the child's)."""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import gc
 import io
 import json
 import os
+import queue
 import runpy
+import select
 import signal
 import subprocess
 import sys
@@ -32,17 +41,19 @@ from typing import IO, Any
 
 #: What every command imports first (relay/__main__.py, then the settings and the database).
 PRELOAD = ("relay.cli.commands", "relay.core.config", "relay.postgres.admin")
+#: How much longer than a command's own timeout the test waits for the zygote to answer.
+GRACE = 30.0
 
 
 def _child(request: dict[str, Any]) -> int:
-    """In the forked child: become the command, run it, and return its exit code."""
+    """In the forked child: become the command, run it, end as the interpreter ends; its code."""
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     time.tzset()
     stdin = os.open(request["stdin"] or os.devnull, os.O_RDONLY)
-    out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    err = os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    out = os.open(request["out"], os.O_WRONLY)
+    err = os.open(request["err"], os.O_WRONLY)
     for fd, target in ((stdin, 0), (out, 1), (err, 2)):
         os.dup2(fd, target)
         os.close(fd)
@@ -50,7 +61,10 @@ def _child(request: dict[str, Any]) -> int:
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=unbuffered)
     sys.stderr = io.TextIOWrapper(
-        io.FileIO(2, "w", closefd=False), errors="backslashreplace", line_buffering=True
+        io.FileIO(2, "w", closefd=False),
+        errors="backslashreplace",
+        line_buffering=True,
+        write_through=unbuffered,
     )
     sys.argv = ["outbox-relay", *request["args"]]
     code = 0
@@ -64,13 +78,33 @@ def _child(request: dict[str, Any]) -> int:
         else:
             print(exiting.code, file=sys.stderr)
             code = 1
+    except KeyboardInterrupt:  # the interpreter ends by the signal itself
+        code = -signal.SIGINT
     except BaseException:  # uncaught: the interpreter's traceback, and exit code 1
         traceback.print_exc()
         code = 1
+    threading._shutdown()  # type: ignore[attr-defined]  # non-daemon threads, as at exit
     atexit._run_exitfuncs()
+    gc.collect()  # what a finalizer would say at exit ("Task was destroyed …") is said
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
+    if code == -signal.SIGINT:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     return code
+
+
+def _reaped(pid: int, timeout: float) -> tuple[int, bool]:
+    """Wait for the child; at `timeout` SIGKILL it (not yet reaped: the pid is still its own)."""
+    fd = os.pidfd_open(pid)
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        os.close(fd)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), not ready
 
 
 def serve() -> None:
@@ -86,18 +120,41 @@ def serve() -> None:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            requests.close()
-            answers.close()
             code = 1
             try:
+                requests.close()
+                answers.close()
                 code = _child(request)
+            except BaseException:  # before the command ran: say why where the test looks
+                with contextlib.suppress(BaseException):
+                    traceback.print_exc()
+                    sys.stderr.flush()
             finally:
                 os._exit(code)
         answers.write(json.dumps({"pid": pid}) + "\n")
         answers.flush()
-        _, status = os.waitpid(pid, 0)
-        answers.write(json.dumps({"status": os.waitstatus_to_exitcode(status)}) + "\n")
+        code, timed_out = _reaped(pid, request["timeout"])
+        answers.write(json.dumps({"status": code, "timed_out": timed_out}) + "\n")
         answers.flush()
+
+
+class _Drained(threading.Thread):
+    """Reads a named pipe to its end (when every writer has closed it)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(daemon=True)
+        self.path = path
+        self.data = b""
+
+    def run(self) -> None:
+        with self.path.open("rb") as pipe:  # waits for the child to open it
+            self.data = pipe.read()
+
+    def release(self) -> None:
+        """A child that never opened the pipe: open it once, so the reader's open returns."""
+        if self.is_alive():
+            with contextlib.suppress(OSError):
+                os.close(os.open(self.path, os.O_WRONLY | os.O_NONBLOCK))
 
 
 class Zygote:
@@ -105,13 +162,19 @@ class Zygote:
 
     def __init__(self) -> None:
         self._proc: subprocess.Popen[str] | None = None
+        self._answers: queue.Queue[str] = queue.Queue()
         self._busy = threading.Lock()
+
+    def busy(self) -> bool:
+        """A command runs in the zygote now."""
+        return self._busy.locked()
 
     def run(
         self, args: list[str], env: Mapping[str, str], timeout: float, answer: str | None
     ) -> subprocess.CompletedProcess[str] | None:
-        """Run `outbox-relay ARGS` in a forked child, as subprocess.run would; None when another
-        thread's command is running (the caller then starts a process of its own)."""
+        """Run `outbox-relay ARGS` in a forked child, as subprocess.run would; None when the
+        zygote cannot take it (another thread's command runs there, or it could not start):
+        the caller then starts a process of its own."""
         if not self._busy.acquire(blocking=False):
             return None
         try:
@@ -119,55 +182,98 @@ class Zygote:
         finally:
             self._busy.release()
 
-    def busy(self) -> bool:
-        """A command runs in the zygote now."""
-        return self._busy.locked()
-
-    def _started(self) -> tuple[IO[str], IO[str]]:
+    def _started(self) -> IO[str]:
         if self._proc is None or self._proc.poll() is not None:
             self._proc = subprocess.Popen(  # our own command line
-                [sys.executable, "-m", "tests.support.zygote"],
+                [sys.executable, "-c", "from tests.support.zygote import serve; serve()"],
                 cwd=Path(__file__).resolve().parents[2],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
+                start_new_session=True,  # its group holds its children: _abandon ends them all
             )
-            atexit.register(self._proc.communicate)  # its stdin closes: it ends
+            self._answers = queue.Queue()
+            threading.Thread(
+                target=self._read, args=(self._proc.stdout, self._answers), daemon=True
+            ).start()
+            atexit.register(self._stop, self._proc)
         assert self._proc.stdin is not None
-        assert self._proc.stdout is not None
-        return self._proc.stdin, self._proc.stdout
+        return self._proc.stdin
+
+    @staticmethod
+    def _read(answers: IO[str], into: queue.Queue[str]) -> None:
+        for line in answers:
+            into.put(line)
+        into.put("")  # it ended
+
+    @staticmethod
+    def _stop(proc: subprocess.Popen[str]) -> None:
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            proc.communicate(timeout=5)  # its stdin closes: it ends
+        proc.kill()
+        proc.wait()
+
+    def _answer(self, seconds: float) -> dict[str, Any] | None:
+        try:
+            line = self._answers.get(timeout=seconds)
+        except queue.Empty:
+            return None
+        return json.loads(line) if line else None
 
     def _run(
         self, args: list[str], env: Mapping[str, str], timeout: float, answer: str | None
-    ) -> subprocess.CompletedProcess[str]:
-        requests, answers = self._started()
+    ) -> subprocess.CompletedProcess[str] | None:
+        try:
+            requests = self._started()
+        except OSError:
+            return None
+        command = [sys.executable, "-m", "relay", *args]
+        deadline = time.monotonic() + timeout
         with tempfile.TemporaryDirectory() as folder:
-            paths = {name: str(Path(folder, name)) for name in ("in", "out", "err")}
+            paths = {name: Path(folder, name) for name in ("in", "out", "err")}
             if answer is not None:
-                Path(paths["in"]).write_text(answer)
+                paths["in"].write_text(answer)
+            readers = []
+            for name in ("out", "err"):
+                os.mkfifo(paths[name], 0o600)
+                readers.append(_Drained(paths[name]))
+                readers[-1].start()
             request = {
                 "args": args,
                 "env": dict(env),
                 "cwd": os.getcwd(),
-                "stdin": paths["in"] if answer is not None else None,
-                "out": paths["out"],
-                "err": paths["err"],
+                "stdin": str(paths["in"]) if answer is not None else None,
+                "out": str(paths["out"]),
+                "err": str(paths["err"]),
+                "timeout": timeout,
             }
-            requests.write(json.dumps(request) + "\n")
-            requests.flush()
-            pid = json.loads(answers.readline())["pid"]
-            timer = threading.Timer(timeout, os.kill, (pid, signal.SIGKILL))
-            timer.start()
+            ended: dict[str, Any] | None = None
             try:
-                code = json.loads(answers.readline())["status"]
+                requests.write(json.dumps(request) + "\n")
+                requests.flush()
+                if self._answer(GRACE) is None:  # it could not start, or died
+                    return None
+                ended = self._answer(timeout + GRACE)
+                if ended is None:
+                    raise RuntimeError(f"the zygote stopped answering: {command}")
+            except OSError:  # its stdin is closed: it died
+                return None
             finally:
-                timer.cancel()
-            out, err = Path(paths["out"]).read_text(), Path(paths["err"]).read_text()
-        command = [sys.executable, "-m", "relay", *args]
-        if timer.finished.is_set() and code == -signal.SIGKILL:
-            raise subprocess.TimeoutExpired(command, timeout, out, err)
-        return subprocess.CompletedProcess(command, code, out, err)
+                if ended is None:  # interrupted (a test's timeout, Ctrl-C), stuck or dead
+                    self._abandon()
+                for reader in readers:
+                    reader.release()
+                    reader.join(max(0.0, deadline - time.monotonic()) if ended else GRACE)
+            out, err = (reader.data.decode() for reader in readers)
+            if ended["timed_out"] or any(reader.is_alive() for reader in readers):
+                # At its timeout, or a process it left behind still holds its output open.
+                raise subprocess.TimeoutExpired(command, timeout, out.encode(), err.encode())
+        return subprocess.CompletedProcess(command, ended["status"], out, err)
 
-
-if __name__ == "__main__":
-    serve()
+    def _abandon(self) -> None:
+        """Kill the zygote and the command it runs; the next call starts another."""
+        if self._proc is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait()
+            self._proc = None
