@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+__version__ = "0.3.0.dev0"
 
 if TYPE_CHECKING:
     from relay.postgres.producer import (

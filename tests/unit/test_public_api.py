@@ -6,10 +6,15 @@ where the code behind it lives is not."""
 from __future__ import annotations
 
 import importlib
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from packaging.version import Version
+
+import relay
 
 SURFACE = {
     "relay": [
@@ -85,3 +90,15 @@ def test_producers_import_no_settings_library() -> None:
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_the_version_is_past_every_release_the_changelog_names() -> None:
+    """0.2.0 shipped saying 0.1.0 (`outbox-relay --version`, the wheel's metadata): the version
+    must be above the newest released section, and a development one while [Unreleased] holds
+    changes."""
+    changelog = (Path(__file__).resolve().parents[2] / "CHANGELOG.md").read_text()
+    released = [Version(v) for v in re.findall(r"^## \[(\d+\.\d+\.\d+)\]", changelog, re.M)]
+    version = Version(relay.__version__)
+    assert released
+    assert version > max(released), f"{version} is not past the newest release {max(released)}"
+    assert version.is_devrelease, f"{version}: [Unreleased] holds changes, so a .dev version"
