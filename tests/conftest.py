@@ -126,17 +126,6 @@ class _Durations:
         self.path.write_text(json.dumps({"wall": wall, "tests": self.tests}))
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A paced test is a serial one too: else the workers would run it beside the others."""
-    loose = [
-        i.nodeid
-        for i in items
-        if i.get_closest_marker("paced") and not i.get_closest_marker("serial")
-    ]
-    if loose:
-        raise pytest.UsageError(f"marked paced but not serial: {', '.join(loose)}")
-
-
 def pytest_configure(config: pytest.Config) -> None:
     path = config.getoption("record_durations")
     if path and not hasattr(config, "workerinput"):

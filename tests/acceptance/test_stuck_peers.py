@@ -42,7 +42,7 @@ from tests.support.wait import until
 
 # Each judges a relay's pace against its own, earlier pace: alone, on a machine no other test
 # is loading meanwhile.
-pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.paced]
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 #: The relay's default lease (tests 1 and 2 leave it, and the batch size, at their defaults).
 LEASE = 10.0

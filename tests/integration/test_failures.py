@@ -121,7 +121,6 @@ async def test_blocked_broker_is_not_fed_claims_until_it_unblocks(
 
 
 @alone
-@pytest.mark.paced  # a one-second lease against a relay's heartbeats: on a quiet machine
 async def test_heartbeats_keep_a_slow_batch_from_being_claimed_twice(
     database_url: str, amqp_url: str, broker: Broker
 ) -> None:

@@ -5,12 +5,11 @@ noisy for a timed pass or fail).
 pytest records into a JSON file (`--record-durations PATH`, see tests/conftest.py) each test's
 setup + call + teardown and the run's wall time; then
 
-    python -m tests.support.budget BUDGET SETUP ELAPSED RUN.json [RUN.json …]
+    python -m tests.support.budget BUDGET_SECONDS SETUP_SECONDS CHECKS_SECONDS RUN.json [RUN.json …]
 
-(seconds: the tier's set-up, and all its wall time so far, set-up included) prints the 25
-slowest tests of all the runs, the set-up, the pytest runs' wall time, the checks' time outside
-them (lint, types, layers; whatever ran beside a pytest run is inside it), the total, and a
-warning naming the slowest tests if the total exceeds the budget."""
+prints the 25 slowest tests of all the runs, the set-up, the checks before the tests (lint,
+types, layers), the test time and the total, and a warning naming the slowest tests if the total
+exceeds the budget."""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ SHOWN = 25
 NAMED_IN_WARNING = 10
 
 
-def report(budget: float, setup: float, elapsed: float, runs: list[Path]) -> list[str]:
+def report(budget: float, setup: float, checks: float, runs: list[Path]) -> list[str]:
     tests: dict[str, float] = {}
     wall = 0.0
     for run in runs:
@@ -35,8 +34,7 @@ def report(budget: float, setup: float, elapsed: float, runs: list[Path]) -> lis
     slowest = sorted(tests.items(), key=lambda item: -item[1])
     lines = [f"{len(tests)} tests; the {min(SHOWN, len(tests))} slowest (setup + call + teardown):"]
     lines += [f"  {seconds:6.1f}s  {node}" for node, seconds in slowest[:SHOWN]]
-    total = max(elapsed, setup + wall)
-    checks = total - setup - wall
+    total = setup + checks + wall
     lines.append(
         f"set-up {setup:.0f}s, checks {checks:.0f}s, tests {wall:.0f}s, total {total:.0f}s"
         f" (budget {budget:.0f}s)"
@@ -54,8 +52,8 @@ def main(argv: list[str]) -> int:
     if len(argv) < 4:
         print(__doc__, file=sys.stderr)
         return 2
-    budget, setup, elapsed = (float(a) for a in argv[:3])
-    print("\n".join(report(budget, setup, elapsed, [Path(p) for p in argv[3:]])))
+    budget, setup, checks = (float(a) for a in argv[:3])
+    print("\n".join(report(budget, setup, checks, [Path(p) for p in argv[3:]])))
     return 0
 
 
