@@ -151,6 +151,8 @@ async def test_sigterm_stops_claiming_settles_the_batch_in_flight_and_exits_zero
     await stop_midway(RelayProcess(env), database_url, broker, 10_000)
 
 
+# Slow (~6 s): a relay process and a 30,000-message backlog, enough that SIGTERM lands mid-drain
+# with most of it left; the promise is about a real process and a real signal.
 async def test_sigterm_stops_a_drain_until_empty_as_it_stops_a_relay_that_waits(
     database_url: str, amqp_url: str, broker: Broker
 ) -> None:
@@ -201,6 +203,8 @@ async def test_killed_relay_rows_are_delivered_by_another_after_the_lease(
     assert scalar(database_url, "SELECT count(*) FROM outbox.messages") == 0
 
 
+# Slow (~4 s): RabbitMQ itself is restarted under a relay process and a producer; the restart
+# takes its seconds, and nothing shorter is a broker restart.
 @pytest.mark.serial  # it restarts the broker every other test uses
 async def test_broker_restart_mid_run_loses_nothing(
     database_url: str, amqp_url: str, broker: Broker, svc: Services
@@ -247,6 +251,8 @@ def proxied(url: str, proxy: TcpProxy) -> str:
     ).geturl()
 
 
+# Slow (~6-8 s): two relay processes, the first stalled behind a proxy with a ten-minute lease,
+# then SIGTERMed; the second must deliver its rows at once (each process starts in ~1 s).
 async def test_sigterm_on_a_stalled_broker_gives_rows_back_for_another_relay_at_once(
     database_url: str, amqp_url: str, broker: Broker
 ) -> None:

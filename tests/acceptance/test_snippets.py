@@ -105,6 +105,9 @@ def test_sql_blocks_run_as_written(block: Block, database_url: str) -> None:
     assert waiting[0] >= 1
 
 
+# Slow (up to ~8 s, the keys-policy block of docs/guides/ordering-keys.md): each block's commands
+# run as written in a shell, one `outbox-relay` process each (five there); the promise is the
+# docs' own lines, verbatim.
 @pytest.mark.parametrize("block", runnable("sh"), ids=str)
 def test_shell_blocks_run_as_written(block: Block, database_url: str) -> None:
     env = clean_env(OUTBOX_DATABASE_URL=database_url)

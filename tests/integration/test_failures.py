@@ -346,9 +346,10 @@ async def test_transactions_are_never_left_idle_across_a_slow_publish(
     assert not [r for r in caplog.records if "PostgreSQL unavailable" in r.getMessage()]
 
 
-# Usually ~2 s, at times ~11 s: when the cut came while the pool was reconnecting, its next try is
-# up to its back-off away, and the relay's wait for a connection is bounded by OUTBOX_LOCK_TIMEOUT
-# (5 s) before it tries again; that is the relay's recovery after a network cut, as users get it.
+# Slow at times (usually ~2 s, at times ~11 s): when the cut came while the pool was reconnecting,
+# its next try is up to its back-off away, and the relay's wait for a connection is bounded by
+# OUTBOX_LOCK_TIMEOUT (5 s) before it tries again; that is the relay's recovery after a network
+# cut, as users get it.
 async def test_network_cut_to_postgres_is_survived(
     database_url: str, amqp_url: str, broker: Broker, caplog: pytest.LogCaptureFixture
 ) -> None:
