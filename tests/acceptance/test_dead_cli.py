@@ -263,6 +263,9 @@ def test_purge_dry_run_changes_nothing_and_asks_first(
     )
 
 
+# Slow (~5-7 s): 20,000 dead rows buried, a `dead replay` process SIGKILLed mid-way (batches of 3,
+# so it is still running when it is killed), then run again to the end; the promise is about a
+# real process killed, so the zygote is not used.
 @pytest.mark.slow
 def test_a_replay_killed_half_way_run_again_moves_everything_once(
     env: dict[str, str], database_url: str
