@@ -31,6 +31,8 @@ import pyspark
 ARCHIVE = Path(sys.prefix) / f"spark-classes-{pyspark.__version__}.jsa"
 #: The tests' JVM options (tests/pipeline/conftest.py says why), which the archive is made with.
 BASE = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+#: CDS's own warnings off: a JVM whose class path is not the archive's starts without it, quietly.
+QUIET = "-Xlog:cds=off -Xlog:cds+dynamic=off"
 
 #: The job whose classes are archived: a session as the pipeline starts it and a grouping with a
 #: shuffle. (Parquet written and read back too made the archive take 4 s longer to make and the
@@ -48,18 +50,15 @@ def java_options() -> str:
     """What JAVA_TOOL_OPTIONS gets besides BASE: the archive, if it has been made."""
     if not ARCHIVE.is_file():
         return ""
-    return f"-XX:SharedArchiveFile={ARCHIVE} -Xlog:cds=off -Xlog:cds+dynamic=off"
+    return f"-XX:SharedArchiveFile={ARCHIVE} {QUIET}"
 
 
 def make() -> None:
-    """Run JOB with -XX:ArchiveClassesAtExit and put the archive in place whole (a rename)."""
-    with tempfile.TemporaryDirectory() as folder:
+    """Run JOB with -XX:ArchiveClassesAtExit and put the archive in place whole (a rename, in
+    the archive's own folder: /tmp may be another file system)."""
+    with tempfile.TemporaryDirectory(dir=ARCHIVE.parent) as folder:
         made = Path(folder, "classes.jsa")
-        env = {
-            **os.environ,
-            "JAVA_TOOL_OPTIONS": f"{BASE} -XX:ArchiveClassesAtExit={made} -Xlog:cds=off"
-            " -Xlog:cds+dynamic=off",
-        }
+        env = {**os.environ, "JAVA_TOOL_OPTIONS": f"{BASE} -XX:ArchiveClassesAtExit={made} {QUIET}"}
         subprocess.run(  # our own command line
             [sys.executable, "-c", JOB],
             env=env,
@@ -82,6 +81,9 @@ def main() -> int:
     except subprocess.CalledProcessError as failed:
         tail = failed.stderr.decode(errors="replace")[-2000:] if failed.stderr else ""
         print(f"spark_classes: no archive (Spark JVMs start without it): {tail}", file=sys.stderr)
+        return 1
+    except (subprocess.TimeoutExpired, OSError) as failed:
+        print(f"spark_classes: no archive (Spark JVMs start without it): {failed}", file=sys.stderr)
         return 1
     return 0
 
